@@ -1,0 +1,1 @@
+"""Engines: model replicas that serve generation requests."""

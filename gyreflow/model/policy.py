@@ -1,0 +1,102 @@
+"""The policy: a Llama-architecture causal LM from Hugging Face transformers, built from a config.
+
+Checkpoints are plain Hugging Face directories (``config.json`` + ``model.safetensors`` +
+tokenizer files), so ``transformers.AutoModelForCausalLM.from_pretrained`` and vLLM load them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gyreflow.model.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the policy network."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 384
+    """Width of each SwiGLU MLP."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (query)."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
+    max_position_embeddings: int = 4096
+    """Longest context the rotary embedding is configured for."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+
+    def hf_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            tie_word_embeddings=True,
+            pad_token_id=256,
+            eos_token_id=257,
+            bos_token_id=None,
+        )
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+
+def build_policy(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    """A randomly initialised policy (float32, eval mode)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg.hf_config())
+    model.eval()
+    return model
+
+
+def save_policy(model: LlamaForCausalLM, path: str | Path, tokenizer=None) -> Path:
+    """Write ``model`` (and its tokenizer) as a Hugging Face checkpoint directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    (tokenizer or build_tokenizer()).save_pretrained(str(path))
+    return path
+
+
+def load_policy(path: str | Path) -> LlamaForCausalLM:
+    """Load a checkpoint directory written by :func:`save_policy` (or any HF Llama checkpoint)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: config.json is missing")
+    model = LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def load_checkpoint_tokenizer(path: str | Path):
+    return load_tokenizer(path)
+
+
+def state_dict_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Weights as plain numpy arrays: what is published to engines (no pickled torch objects)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_state_dict_numpy(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """Copy published weights into ``model`` in place."""
+    own = model.state_dict()
+    missing = set(own) - set(weights)
+    if missing:
+        raise KeyError(f"published weights lack {sorted(missing)[:3]}")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(torch.from_numpy(np.asarray(weights[k])))

@@ -1,0 +1,80 @@
+"""A byte-level tokenizer with a chat template, built offline.
+
+Token ids 0..255 are the UTF-8 bytes themselves, so any text round-trips exactly and
+``ids -> bytes`` needs no lookup table. Special tokens follow from id 256.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import PreTrainedTokenizerFast
+
+PAD, END, SYSTEM, USER, ASSISTANT, TOOL = (
+    "<|pad|>",
+    "<|end|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+)
+SPECIAL_TOKENS = [PAD, END, SYSTEM, USER, ASSISTANT, TOOL]
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# Each message is `<|role|>content<|end|>`; the generation prompt is `<|assistant|>`.
+# Tool results are `<|tool|>` messages. The template is the one the proxy renders with.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # The ByteLevel pre-tokenizer's printable alias of every byte (GPT-2's table).
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the byte-level tokenizer (no hub access).
+
+    Returns
+    -------
+    PreTrainedTokenizerFast
+        ids 0..255 are bytes, 256.. are :data:`SPECIAL_TOKENS`; ``eos_token`` is ``<|end|>``.
+    """
+    alias = _bytes_to_unicode()
+    vocab = {alias[b]: b for b in range(256)}
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=END,
+        model_max_length=1 << 20,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a tokenizer saved next to a checkpoint (``save_pretrained`` format)."""
+    return PreTrainedTokenizerFast.from_pretrained(str(path))

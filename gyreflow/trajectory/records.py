@@ -1,0 +1,99 @@
+"""What an execution leaves behind: one call record per model call, and the execution's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class CallRecord:
+    """One model call, token-exact.
+
+    ``prompt_ids`` are the ids the engine consumed; ``completion_ids`` the ids it sampled, each with
+    its behaviour log-prob and the weights version that produced it.
+    """
+
+    execution_id: str
+    call_index: int
+    call_id: str
+    role: str
+    """Who made the call: ``policy`` (the agent), ``summarizer``, ``subagent``..."""
+    prompt_ids: np.ndarray  # (P,) int32
+    completion_ids: np.ndarray  # (C,) int32
+    logprobs: np.ndarray  # (C,) float32
+    versions: np.ndarray  # (C,) int32
+    finish_reason: str = "stop"
+    engine: str = ""
+    """Address of the engine that served the call."""
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+        self.completion_ids = np.asarray(self.completion_ids, dtype=np.int32)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        self.versions = np.asarray(self.versions, dtype=np.int32)
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"call {self.call_id}: {n} completion ids but {len(self.logprobs)} log-probs "
+                f"and {len(self.versions)} versions"
+            )
+
+    def meta(self) -> dict:
+        return {
+            "execution_id": self.execution_id,
+            "call_index": self.call_index,
+            "call_id": self.call_id,
+            "role": self.role,
+            "finish_reason": self.finish_reason,
+            "engine": self.engine,
+            "t_start": self.t_start,
+            "t_end": self.t_end,
+        }
+
+
+@dataclass
+class ExecutionResult:
+    """One execution of an agent at a task: its calls and how it was graded."""
+
+    execution_id: str
+    task_id: str
+    step: int
+    sample: int
+    split: str
+    """``train`` or ``heldout``."""
+    calls: list[CallRecord]
+    reward: float
+    """Graded score in [0, 1], partial credit included."""
+    passed: bool
+    end_reason: str
+    """``done``, ``time_limit``, ``token_budget``, ``max_calls`` or ``crash``."""
+    metrics: dict = field(default_factory=dict)
+    worker: str = ""
+    """Address of the worker that ran the execution."""
+
+    @property
+    def tokens_generated(self) -> int:
+        return int(sum(len(c.completion_ids) for c in self.calls))
+
+    def min_version(self) -> int:
+        vs = [int(c.versions.min()) for c in self.calls if len(c.versions)]
+        return min(vs) if vs else -1
+
+    def meta(self) -> dict:
+        return {
+            "execution_id": self.execution_id,
+            "task_id": self.task_id,
+            "step": self.step,
+            "sample": self.sample,
+            "split": self.split,
+            "reward": self.reward,
+            "passed": self.passed,
+            "end_reason": self.end_reason,
+            "metrics": self.metrics,
+            "worker": self.worker,
+            "n_calls": len(self.calls),
+        }
