@@ -1,0 +1,103 @@
+"""Name → function registries for advantage estimators and losses.
+
+Each registry holds functions of one signature, so callers dispatch by config string through
+:meth:`Registry.get` and never branch on names themselves::
+
+    from gyreflow.algo import ADVANTAGES, LOSSES
+
+    adv = ADVANTAGES.get("grpo")(rewards)  # (G,)
+    loss, metrics = LOSSES.get("ppo_clip")(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class AdvantageFn(Protocol):
+    """Advantages of one group: the executions of one task in one step."""
+
+    def __call__(self, rewards: np.ndarray, **kwargs: Any) -> np.ndarray:
+        """Map rewards ``(G,)`` to advantages ``(G,)`` float64."""
+        ...
+
+
+class LossFn(Protocol):
+    """A policy-gradient loss over flattened tokens."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Map per-token tensors ``(N,)`` to a scalar loss and float metrics."""
+        ...
+
+
+class Registry(Generic[F]):
+    """A named set of functions of one signature.
+
+    Parameters
+    ----------
+    kind
+        What the registry holds, used in error messages (``"advantage estimator"``).
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator that registers a function under ``name``.
+
+        Raises
+        ------
+        ValueError
+            If ``name`` is already taken: silent replacement would make dispatch depend on
+            import order.
+        """
+
+        def decorator(fn: F) -> F:
+            if name in self._fns:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._fns[name] = fn
+            return fn
+
+        return decorator
+
+    def get(self, name: str) -> F:
+        """The function registered as ``name``.
+
+        Raises
+        ------
+        ValueError
+            For an unknown name; the message lists the allowed names.
+        """
+        try:
+            return self._fns[name]
+        except KeyError:
+            allowed = ", ".join(repr(n) for n in self.names())
+            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {allowed}") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._fns)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, names={self.names()})"
+
+
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+LOSSES: Registry[LossFn] = Registry("loss")
