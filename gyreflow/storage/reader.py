@@ -1,0 +1,263 @@
+"""Reading a trajectory archive: committed steps only, arrays and JSON only (no code runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync
+
+from gyreflow.storage import schema
+from gyreflow.storage.writer import PathLike, open_root
+from gyreflow.trajectory.records import CallRecord, ExecutionResult
+
+_CALL_FIELDS = {f.name for f in fields(CallRecord)} - {
+    "prompt_ids",
+    "completion_ids",
+    "logprobs",
+    "versions",
+}
+
+
+def split_ragged(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """Cut a flat array into per-call views using ``n + 1`` offsets."""
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+class ArchiveReader:
+    """Read-only view of a run's archive that sees committed steps only.
+
+    The list of committed steps is read once at construction (a consistent snapshot); call
+    ``refresh`` to see steps committed since.
+
+    Parameters
+    ----------
+    path
+        The ``archive.zarr`` directory.
+
+    Raises
+    ------
+    FileNotFoundError
+        If nothing exists at ``path``.
+    ValueError
+        If ``path`` is not a gyreflow archive or was written by a newer schema version.
+    """
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = str(path)
+        self._root = open_root(self.path, mode="r")
+        self._attrs: dict[str, Any] = dict(self._root.attrs)
+        self._steps: dict[int, dict[str, Any]] = {}
+
+    def refresh(self) -> None:
+        """Re-read the root attributes (new commits, run metadata)."""
+        self._root = open_root(self.path, mode="r")
+        self._attrs = dict(self._root.attrs)
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._attrs[schema.ROOT_MARKER])
+
+    @property
+    def run(self) -> dict[str, Any]:
+        """Run-level JSON stored at creation (config and the like)."""
+        return dict(self._attrs.get("run", {}))
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """All root attributes."""
+        return dict(self._attrs)
+
+    @property
+    def committed_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sorted(int(s) for s in self._attrs.get("committed_steps", []))
+
+    def step_info(self, step: int) -> dict[str, Any]:
+        """All attributes of a committed step: counts, execution index, summary.
+
+        Raises
+        ------
+        ValueError
+            If the step is not committed (missing, or still being written).
+        """
+        if step not in self._steps:
+            if step not in self.committed_steps:
+                state = "does not exist" if not self._has_group(step) else "is not committed"
+                raise ValueError(
+                    f"step {step!r} of archive {self.path!r} {state}; "
+                    f"committed steps: {self.committed_steps}"
+                )
+            self._steps[step] = dict(self._root[schema.step_path(step)].attrs)
+        return self._steps[step]
+
+    def _has_group(self, step: Any) -> bool:
+        try:
+            self._root[schema.step_path(step)]
+        except (KeyError, ValueError):
+            return False
+        return True
+
+    def summary(self, step: int) -> dict[str, Any]:
+        """The free-form summary passed to ``commit_step``."""
+        return dict(self.step_info(step).get("summary", {}))
+
+    def executions(self, step: int) -> list[str]:
+        """Ids of the step's committed executions, sorted."""
+        return list(self.step_info(step)["executions"])
+
+    def execution_index(self, step: int) -> dict[str, dict[str, Any]]:
+        """Per-execution task, split, reward, counts of a step, without reading any array."""
+        return dict(self.step_info(step)["executions"])
+
+    def load_execution(self, step: int, execution_id: str) -> ExecutionResult:
+        """Load one execution, token-exact.
+
+        Raises
+        ------
+        ValueError
+            If the step is not committed, or the execution is not part of it, or its arrays
+            disagree with their offsets.
+        """
+        if execution_id not in self.step_info(step)["executions"]:
+            raise ValueError(
+                f"execution {execution_id!r} is not in committed step {step} of {self.path!r}"
+            )
+        path = schema.execution_path(step, execution_id)
+        attrs, arrays = sync(_read_group(self.path, path))
+        return _to_result(attrs, arrays, where=f"{self.path}:{path}")
+
+    def iter_executions(
+        self, split: str | None = None, steps: Iterable[int] | None = None
+    ) -> Iterator[ExecutionResult]:
+        """Yield executions of committed steps in step then id order.
+
+        Parameters
+        ----------
+        split
+            Only executions of this split (``train`` or ``heldout``); filtered with the step
+            index, so skipped executions cost no array reads.
+        steps
+            Only these steps (each must be committed); default all committed steps.
+        """
+        for step in self.committed_steps if steps is None else steps:
+            for eid, entry in self.execution_index(step).items():
+                if split is None or entry.get("split") == split:
+                    yield self.load_execution(step, eid)
+
+    def to_xarray(self, steps: Iterable[int] | None = None, chunks: Any = None) -> Any:
+        """The committed part of the archive as an ``xarray.DataTree``; see ``open_datatree``."""
+        return open_datatree(self.path, steps=steps, chunks=chunks, reader=self)
+
+
+async def _read_group(
+    root_path: str, group_path: str
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Attributes and all arrays of one execution group, read concurrently."""
+    group = await zarr.api.asynchronous.open_group(store=root_path, path=group_path, mode="r")
+    nodes = await asyncio.gather(*(group.getitem(name) for name in schema.ARRAYS))
+    data = await asyncio.gather(*(node.getitem(...) for node in nodes))
+    return dict(group.attrs), dict(zip(schema.ARRAYS, data))
+
+
+def _to_result(
+    attrs: Mapping[str, Any], arrays: Mapping[str, np.ndarray], where: str
+) -> ExecutionResult:
+    """Rebuild an ``ExecutionResult`` from an execution group's attributes and arrays."""
+    if attrs.get("complete") is not True:
+        raise ValueError(f"execution group {where!r} is incomplete")
+    p_off, c_off = arrays["prompt_offsets"], arrays["completion_offsets"]
+    n = len(arrays["call_meta"])
+    if (
+        len(p_off) != n + 1
+        or len(c_off) != n + 1
+        or int(p_off[-1]) != len(arrays["prompt_tokens"])
+        or int(c_off[-1]) != len(arrays["completion_tokens"])
+        or not len(arrays["logprobs"]) == len(arrays["versions"]) == len(arrays["completion_tokens"])
+    ):
+        raise ValueError(f"execution group {where!r} is corrupt: arrays disagree with offsets")
+    prompts = split_ragged(arrays["prompt_tokens"], p_off)
+    completions = split_ragged(arrays["completion_tokens"], c_off)
+    logprobs = split_ragged(arrays["logprobs"], c_off)
+    versions = split_ragged(arrays["versions"], c_off)
+    calls = []
+    for i, raw in enumerate(arrays["call_meta"]):
+        meta = json.loads(str(raw))
+        known = {k: v for k, v in meta.items() if k in _CALL_FIELDS}
+        calls.append(
+            CallRecord(
+                **known,
+                prompt_ids=prompts[i],
+                completion_ids=completions[i],
+                logprobs=logprobs[i],
+                versions=versions[i],
+            )
+        )
+    return ExecutionResult(
+        execution_id=attrs["execution_id"],
+        task_id=attrs["task_id"],
+        step=int(attrs["step"]),
+        sample=int(attrs["sample"]),
+        split=attrs["split"],
+        calls=calls,
+        reward=attrs["reward"],
+        passed=bool(attrs["passed"]),
+        end_reason=attrs["end_reason"],
+        metrics=dict(attrs.get("metrics") or {}),
+        worker=attrs.get("worker", ""),
+    )
+
+
+def open_datatree(
+    path: PathLike,
+    steps: Iterable[int] | None = None,
+    chunks: Any = None,
+    reader: ArchiveReader | None = None,
+) -> Any:
+    """Open the committed part of an archive as an ``xarray.DataTree``.
+
+    Each committed step is opened on its own and only its listed executions are kept, so a step
+    being written, or a stray group left by a killed writer, never shows up.
+
+    Parameters
+    ----------
+    path
+        The ``archive.zarr`` directory.
+    steps
+        Committed steps to include; default all.
+    chunks
+        Passed to ``xarray.open_datatree``: ``None`` loads eagerly, ``{}`` gives lazy dask arrays
+        with the stored chunks.
+
+    Returns
+    -------
+    xarray.DataTree
+        Root attributes on the root node; nodes ``steps/<step>/executions/<id>``.
+    """
+    import xarray as xr  # imported here: reading tokens with gyreflow never needs xarray
+
+    reader = reader or ArchiveReader(path)
+    selected = reader.committed_steps if steps is None else list(steps)
+    nodes: dict[str, Any] = {"/": xr.Dataset(attrs=reader.attrs)}
+    for step in selected:
+        keep = set(reader.executions(step))
+        sub = xr.open_datatree(
+            str(path),
+            engine="zarr",
+            group=schema.step_path(step),
+            consolidated=False,
+            chunks=chunks,
+        )
+        execs = sub.children.get(schema.EXECUTIONS)
+        base = schema.step_path(step)
+        nodes[base] = xr.Dataset(attrs=sub.attrs)
+        nodes[f"{base}/{schema.EXECUTIONS}"] = xr.Dataset()
+        for eid in sorted(keep):
+            nodes[f"{base}/{schema.EXECUTIONS}/{eid}"] = execs[eid].to_dataset(inherit=False)
+    return xr.DataTree.from_dict(nodes)

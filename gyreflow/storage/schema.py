@@ -1,0 +1,152 @@
+"""The archive format, in one place: names, paths, dtypes, dimension names, codecs, JSON rules.
+
+The format itself is specified in ``storage/README.md``; every constant it names lives here so
+that the writer and the reader cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+"""Value of the root attribute ``gyreflow_archive``; readers refuse larger values."""
+
+ARCHIVE_NAME = "archive.zarr"
+"""File name of a run's archive inside its run directory."""
+
+ROOT_MARKER = "gyreflow_archive"
+EXECUTION_MARKER = "gyreflow_execution"
+
+STEPS = "steps"
+EXECUTIONS = "executions"
+TREES = "trees"
+"""Reserved per-step group for trajectory trees (not written by schema version 1)."""
+
+CHUNK_ELEMENTS = 1 << 20
+"""Chunk length along every flat array: 4 MiB of int32, large enough that a typical execution
+is one chunk per array (few files, one codec call) and small enough that a slice read of a
+million-token execution decodes only the chunks it touches."""
+
+# Arrays of one execution group: name -> (zarr data type, dimension name, fill value).
+# The fill value only shows where a chunk is missing; -1 / NaN cannot be mistaken for data.
+ARRAYS: dict[str, tuple[str, str, Any]] = {
+    "prompt_tokens": ("int32", "prompt_token", -1),
+    "prompt_offsets": ("int64", "call_boundary", -1),
+    "completion_tokens": ("int32", "completion_token", -1),
+    "completion_offsets": ("int64", "call_boundary", -1),
+    "logprobs": ("float32", "completion_token", "NaN"),
+    "versions": ("int32", "completion_token", -1),
+    "call_meta": ("string", "call", ""),
+}
+
+_ITEMSIZE = {"int32": 4, "int64": 8, "float32": 4}
+
+
+def codecs(data_type: str) -> list[dict[str, Any]]:
+    """The codec chain of an array, as zarr v3 metadata JSON.
+
+    Numeric arrays: Blosc lz4 with byte shuffle, measured here at about half the raw size on
+    Zipf-like token ids while writing as fast as no compression and reading faster (less I/O);
+    zstd variants save another ~20% but write ~4x slower, which would put archive writes on the
+    rollout path. Strings (one short JSON per call): zarr's default vlen-utf8 + zstd.
+    """
+    if data_type == "string":
+        return [
+            {"name": "vlen-utf8", "configuration": {}},
+            {"name": "zstd", "configuration": {"level": 0, "checksum": False}},
+        ]
+    blosc = {"typesize": _ITEMSIZE[data_type], "cname": "lz4", "clevel": 5}
+    return [
+        {"name": "bytes", "configuration": {"endian": "little"}},
+        {"name": "blosc", "configuration": {**blosc, "shuffle": "shuffle", "blocksize": 0}},
+    ]
+
+
+def array_metadata(name: str, length: int) -> dict[str, Any]:
+    """The complete ``zarr.json`` of one execution array of ``length`` elements.
+
+    Spelled out (rather than left to zarr's defaults) so the stored format is exactly what
+    ``storage/README.md`` specifies, whatever defaults a future zarr release picks.
+    """
+    data_type, dim, fill = ARRAYS[name]
+    # A regular chunk grid stores edge chunks at full size, so never make a chunk longer than
+    # the array (a 4 MiB chunk for a 10-token array would cost a 4 MiB encode).
+    chunk = max(1, min(length, CHUNK_ELEMENTS))
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [length],
+        "data_type": data_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs(data_type),
+        "attributes": {},
+        "dimension_names": [dim],
+    }
+
+
+def step_name(step: int) -> str:
+    """Group name of a step: zero-padded so that lexical order is step order."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return f"{int(step):06d}"
+
+
+def step_path(step: int) -> str:
+    """Path of a step group relative to the archive root."""
+    return f"{STEPS}/{step_name(step)}"
+
+
+def execution_path(step: int, execution_id: str) -> str:
+    """Path of an execution group relative to the archive root."""
+    check_execution_id(execution_id)
+    return f"{step_path(step)}/{EXECUTIONS}/{execution_id}"
+
+
+def check_execution_id(execution_id: str) -> None:
+    """Reject ids that are not a single, portable zarr node name.
+
+    Raises
+    ------
+    ValueError
+        If the id is empty, contains a path separator, is ``.``/``..``, or starts with ``__``
+        (reserved by the zarr v3 spec).
+    """
+    if (
+        not isinstance(execution_id, str)
+        or not execution_id
+        or "/" in execution_id
+        or "\\" in execution_id
+        or execution_id in (".", "..")
+        or execution_id.startswith("__")
+    ):
+        raise ValueError(f"execution_id {execution_id!r} cannot be used as a zarr group name")
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy scalars and arrays turn up in metrics dicts; store them as plain JSON values.
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable (archives hold JSON only)")
+
+
+def dumps(obj: Any) -> str:
+    """Serialise to compact JSON; numpy values become plain numbers/lists.
+
+    Non-finite floats are written as ``NaN``/``Infinity`` (Python's json dialect, which zarr also
+    uses for attributes), so a NaN reward survives a round trip.
+    """
+    return json.dumps(obj, default=_json_default, separators=(",", ":"), ensure_ascii=False)
+
+
+def to_json(obj: Any) -> Any:
+    """Return ``obj`` as plain JSON types (dict/list/str/int/float/bool/None)."""
+    return json.loads(dumps(obj))

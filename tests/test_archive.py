@@ -1,0 +1,367 @@
+"""The zarr trajectory archive: round trips, commit visibility, concurrency, errors, no pickles."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from gyreflow.storage import (
+    ArchiveReader,
+    ArchiveWriter,
+    archive_path,
+    commit_step,
+    create_archive,
+    open_datatree,
+    write_execution,
+)
+from gyreflow.storage import schema
+from gyreflow.trajectory.records import CallRecord, ExecutionResult
+
+
+def make_execution(
+    eid: str, step: int, n_calls: int = 4, seed: int = 0, split: str = "train"
+) -> ExecutionResult:
+    """A synthetic execution with ragged calls, including an empty completion."""
+    rng = np.random.default_rng(seed)
+    calls = []
+    for i in range(n_calls):
+        p = int(rng.integers(1, 300))
+        c = 0 if i == 1 else int(rng.integers(1, 200))  # one call sampled nothing
+        logprobs = -rng.exponential(2.0, c).astype(np.float32)
+        if c:
+            logprobs[0] = 0.0  # exact zero must not turn into a fill value / NaN
+        calls.append(
+            CallRecord(
+                execution_id=eid,
+                call_index=i,
+                call_id=f"{eid}-call{i}",
+                role="policy" if i % 3 else "summarizer",
+                prompt_ids=rng.integers(0, 150_000, p),
+                completion_ids=rng.integers(0, 150_000, c),
+                logprobs=logprobs,
+                versions=np.full(c, step - (i % 2), dtype=np.int32),
+                finish_reason="length" if i == n_calls - 1 else "stop",
+                engine=f"tcp://127.0.0.1:{9000 + i}",
+                t_start=1.5 * i,
+                t_end=1.5 * i + 0.25,
+            )
+        )
+    return ExecutionResult(
+        execution_id=eid,
+        task_id=f"task-{seed % 5}",
+        step=step,
+        sample=seed,
+        split=split,
+        calls=calls,
+        reward=float(rng.random()),
+        passed=bool(seed % 2),
+        end_reason="time_limit" if seed % 3 == 0 else "done",
+        metrics={"tool_calls": int(seed), "score_parts": [0.5, 0.25], "note": "ünïcode"},
+        worker="tcp://10.0.0.1:4000",
+    )
+
+
+def assert_same(a: ExecutionResult, b: ExecutionResult) -> None:
+    """Token-exact and bit-exact equality of two executions."""
+    assert a.meta() == b.meta()
+    assert len(a.calls) == len(b.calls)
+    for x, y in zip(a.calls, b.calls):
+        assert x.meta() == y.meta()
+        for name in ("prompt_ids", "completion_ids", "versions"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert u.dtype == v.dtype and np.array_equal(u, v), name
+        assert y.logprobs.dtype == np.float32
+        assert np.array_equal(x.logprobs.view(np.int32), y.logprobs.view(np.int32))
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> str:
+    path = archive_path(tmp_path / "run")
+    create_archive(path, {"config": {"lr": 1e-5, "j_max": 5}, "model": "tiny"})
+    return str(path)
+
+
+def test_round_trip_through_reader(archive: str) -> None:
+    written = [make_execution(f"e{i}", 0, n_calls=i, seed=i) for i in range(4)]  # e0: no calls
+    summaries = [write_execution(archive, r) for r in written]
+    assert summaries[3]["n_calls"] == 3
+    assert summaries[3]["n_completion_tokens"] == written[3].tokens_generated
+    info = commit_step(archive, 0, {"loss": 0.125, "mean_reward": 0.5})
+    assert info["n_executions"] == 4
+
+    reader = ArchiveReader(archive)
+    assert reader.committed_steps == [0]
+    assert reader.executions(0) == ["e0", "e1", "e2", "e3"]
+    assert reader.summary(0) == {"loss": 0.125, "mean_reward": 0.5}
+    assert reader.run == {"config": {"lr": 1e-5, "j_max": 5}, "model": "tiny"}
+    for r in written:
+        assert_same(r, reader.load_execution(0, r.execution_id))
+    assert [r.execution_id for r in reader.iter_executions()] == ["e0", "e1", "e2", "e3"]
+
+
+def test_round_trip_through_plain_zarr(archive: str) -> None:
+    r = make_execution("exec-a", 3, n_calls=6, seed=7)
+    write_execution(archive, r)
+    commit_step(archive, 3, {"k": 1})
+
+    root = zarr.open_group(archive, mode="r")
+    assert root.attrs["gyreflow_archive"] == 1
+    assert root.attrs["committed_steps"] == [3]
+    g = root["steps/000003/executions/exec-a"]
+    p_off, c_off = g["prompt_offsets"][:], g["completion_offsets"][:]
+    prompts, completions = g["prompt_tokens"][:], g["completion_tokens"][:]
+    logprobs, versions = g["logprobs"][:], g["versions"][:]
+    metas = [json.loads(s) for s in g["call_meta"][:]]
+    for i, call in enumerate(r.calls):
+        assert np.array_equal(prompts[p_off[i] : p_off[i + 1]], call.prompt_ids)
+        assert np.array_equal(completions[c_off[i] : c_off[i + 1]], call.completion_ids)
+        assert np.array_equal(logprobs[c_off[i] : c_off[i + 1]], call.logprobs)
+        assert np.array_equal(versions[c_off[i] : c_off[i + 1]], call.versions)
+        assert metas[i] == call.meta()
+    assert g.attrs["reward"] == r.reward and g.attrs["metrics"] == r.metrics
+    for name, (dtype, dim, _) in schema.ARRAYS.items():
+        assert g[name].metadata.dimension_names == (dim,)
+
+
+def test_readable_without_gyreflow(archive: str) -> None:
+    """A fresh interpreter reads the archive with zarr and xarray only; gyreflow never loads."""
+    r = make_execution("e1", 0, n_calls=5, seed=3)
+    write_execution(archive, r)
+    commit_step(archive, 0)
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import numpy as np, xarray as xr, zarr
+        root = zarr.open_group({archive!r}, mode="r")
+        g = root["steps/000000/executions/e1"]
+        off = g["completion_offsets"][:]
+        toks = g["completion_tokens"][:]
+        calls = [toks[off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
+        tree = xr.open_datatree({archive!r}, engine="zarr", consolidated=False)
+        ds = tree["steps/000000/executions/e1"].to_dataset()
+        assert np.array_equal(ds["prompt_tokens"].values, g["prompt_tokens"][:])
+        assert ds["logprobs"].dtype == np.float32
+        assert "gyreflow" not in sys.modules
+        print(json.dumps({{"calls": calls, "lp0": float(ds["logprobs"].values[0]),
+                          "committed": root.attrs["committed_steps"]}}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["calls"] == [c.completion_ids.tolist() for c in r.calls]
+    assert got["lp0"] == 0.0
+    assert got["committed"] == [0]
+
+
+def test_xarray_datatree(archive: str) -> None:
+    runs = [make_execution(f"e{i}", 1, n_calls=3, seed=i) for i in range(3)]
+    for r in runs:
+        write_execution(archive, r)
+    commit_step(archive, 1, {"loss": 2.0})
+    tree = ArchiveReader(archive).to_xarray(chunks={})
+    assert tree.attrs["committed_steps"] == [1]
+    assert tree["steps/000001"].attrs["summary"] == {"loss": 2.0}
+    for r in runs:
+        ds = tree[f"steps/000001/executions/{r.execution_id}"].to_dataset()
+        assert ds.attrs["reward"] == r.reward
+        lp = ds["logprobs"].values  # computed from lazy dask arrays
+        assert np.array_equal(lp, np.concatenate([c.logprobs for c in r.calls]))
+        assert ds.sizes["call"] == 3 and ds.sizes["call_boundary"] == 4
+
+
+def test_uncommitted_steps_are_invisible(archive: str) -> None:
+    write_execution(archive, make_execution("a", 0, seed=1))
+    commit_step(archive, 0)
+    write_execution(archive, make_execution("b", 1, seed=2))  # step 1: written, not committed
+    # A killed writer leaves a group not marked complete inside a step that does get committed.
+    write_execution(archive, make_execution("c", 2, seed=3))
+    zarr.open_group(archive, mode="r+").create_group(
+        "steps/000002/executions/killed", attributes={"gyreflow_execution": 1, "complete": False}
+    )
+    commit_step(archive, 2)
+
+    reader = ArchiveReader(archive)
+    assert reader.committed_steps == [0, 2]
+    assert reader.executions(2) == ["c"]
+    with pytest.raises(ValueError, match=r"step 1 .*not committed"):
+        reader.executions(1)
+    with pytest.raises(ValueError, match="step 1"):
+        reader.load_execution(1, "b")
+    with pytest.raises(ValueError, match="killed"):
+        reader.load_execution(2, "killed")
+    assert [r.execution_id for r in reader.iter_executions()] == ["a", "c"]
+    tree = open_datatree(archive)
+    assert sorted(tree["steps"].children) == ["000000", "000002"]
+    assert list(tree["steps/000002/executions"].children) == ["c"]
+
+
+def test_reopen_discards_partial_step_and_rolls_forward(archive: str) -> None:
+    write_execution(archive, make_execution("a", 0, seed=1))
+    commit_step(archive, 0)
+    write_execution(archive, make_execution("stale", 1, seed=2))  # crash mid-step 1
+
+    writer = ArchiveWriter.open(archive)
+    assert writer.recovered == {"rolled_forward": [], "discarded": [1]}
+    assert "000001" not in zarr.open_group(archive, mode="r")["steps"]
+    fresh = make_execution("fresh", 1, seed=5)
+    writer.write_execution(fresh)
+    writer.commit_step(1, {"resumed": True}, expected=["fresh"])
+    reader = ArchiveReader(archive)
+    assert reader.committed_steps == [0, 1] and reader.executions(1) == ["fresh"]
+    assert_same(fresh, reader.load_execution(1, "fresh"))
+    assert_same(make_execution("a", 0, seed=1), reader.load_execution(0, "a"))
+
+    # Crash between the step's attributes and the root commit marker: complete, so rolled forward.
+    write_execution(archive, make_execution("x", 2, seed=6))
+    zarr.open_group(archive, mode="r+")["steps/000002"].attrs.update(
+        {"committed": True, "executions": {"x": {"split": "train"}}}
+    )
+    assert ArchiveReader(archive).committed_steps == [0, 1]
+    assert ArchiveWriter(archive, {"note": "resumed"}).recovered["rolled_forward"] == [2]
+    reader = ArchiveReader(archive)
+    assert reader.committed_steps == [0, 1, 2]
+    assert reader.attrs["resumes"][-1]["run"] == {"note": "resumed"}
+
+
+def test_retry_replaces_and_committed_steps_are_immutable(archive: str) -> None:
+    write_execution(archive, make_execution("e", 0, n_calls=9, seed=1))
+    second = make_execution("e", 0, n_calls=2, seed=2)  # a retried task writes again
+    write_execution(archive, second)
+    with pytest.raises(ValueError, match=r"\['missing'\]"):
+        commit_step(archive, 0, expected=["e", "missing"])
+    commit_step(archive, 0, expected=["e"])
+    assert_same(second, ArchiveReader(archive).load_execution(0, "e"))
+    with pytest.raises(ValueError, match="already committed"):
+        commit_step(archive, 0)
+    with pytest.raises(ValueError, match="step 0 .* is committed"):
+        write_execution(archive, make_execution("late", 0, seed=3))
+
+    # A retry with fewer tokens leaves no chunk of the earlier attempt behind.
+    write_execution(archive, make_execution("z", 1, n_calls=5, seed=4))
+    empty = make_execution("z", 1, n_calls=0, seed=4)
+    write_execution(archive, empty)
+    group_dir = Path(archive) / "steps/000001/executions/z"
+    chunks = {f.relative_to(group_dir).as_posix() for f in group_dir.rglob("c/*")}
+    assert chunks == {"prompt_offsets/c/0", "completion_offsets/c/0"}  # offsets == [0]
+    commit_step(archive, 1)
+    assert_same(empty, ArchiveReader(archive).load_execution(1, "z"))
+
+
+def test_concurrent_thread_writes_lose_nothing(archive: str) -> None:
+    runs = [make_execution(f"t{i:03d}", 4, n_calls=5, seed=i) for i in range(48)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        summaries = list(pool.map(lambda r: write_execution(archive, r), runs))
+    assert len({s["execution_id"] for s in summaries}) == 48
+    info = commit_step(archive, 4, expected=[r.execution_id for r in runs])
+    assert info["n_completion_tokens"] == sum(r.tokens_generated for r in runs)
+    reader = ArchiveReader(archive)
+    assert len(reader.executions(4)) == 48
+    for r in runs:
+        assert_same(r, reader.load_execution(4, r.execution_id))
+
+
+def test_dask_worker_processes_write_one_step(archive: str) -> None:
+    distributed = pytest.importorskip("distributed")
+    runs = [make_execution(f"d{i:02d}", 0, n_calls=4, seed=i) for i in range(20)]
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=2, processes=True, dashboard_address=None
+    ) as cluster, distributed.Client(cluster) as client:
+        futures = [client.submit(write_execution, archive, r, pure=False) for r in runs]
+        summaries = client.gather(futures)
+    assert sorted(s["execution_id"] for s in summaries) == [r.execution_id for r in runs]
+    commit_step(archive, 0, {"n": 20}, expected=[s["execution_id"] for s in summaries])
+    reader = ArchiveReader(archive)
+    assert reader.executions(0) == [r.execution_id for r in runs]
+    for r in runs:
+        assert_same(r, reader.load_execution(0, r.execution_id))
+
+
+def test_clear_errors(tmp_path: Path, archive: str) -> None:
+    missing = tmp_path / "nope.zarr"
+    with pytest.raises(FileNotFoundError, match="nope.zarr"):
+        ArchiveReader(missing)
+    with pytest.raises(FileNotFoundError, match="nope.zarr"):
+        ArchiveWriter.open(missing)
+    with pytest.raises(FileNotFoundError, match="nope.zarr"):
+        write_execution(missing, make_execution("e", 0))
+
+    plain = tmp_path / "plain.zarr"
+    zarr.open_group(plain, mode="w")
+    with pytest.raises(ValueError, match="plain.zarr.*not a gyreflow archive"):
+        ArchiveReader(plain)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "file.txt").write_text("hello")
+    with pytest.raises(ValueError, match="junk"):
+        ArchiveReader(junk)
+    with pytest.raises(ValueError, match="junk"):
+        ArchiveWriter(junk)
+
+    newer = tmp_path / "newer.zarr"
+    zarr.open_group(newer, mode="w", attributes={"gyreflow_archive": 99})
+    with pytest.raises(ValueError, match="newer.zarr.*version 99"):
+        ArchiveReader(newer)
+
+    with pytest.raises(FileExistsError, match="archive.zarr"):
+        create_archive(archive, {})
+    reader = ArchiveReader(archive)
+    with pytest.raises(ValueError, match=r"step 7 .*does not exist"):
+        reader.load_execution(7, "e")
+    with pytest.raises(ValueError, match="group name"):
+        write_execution(archive, make_execution("a/b", 0))
+    with pytest.raises(ValueError, match="non-negative"):
+        write_execution(archive, make_execution("a", -1))
+
+
+def test_nan_reward_and_numpy_metrics_round_trip(archive: str) -> None:
+    r = make_execution("n", 0, seed=2)
+    r.reward = math.nan
+    r.metrics = {"np_float": np.float32(0.5), "np_int": np.int64(3), "arr": np.arange(3)}
+    write_execution(archive, r)
+    commit_step(archive, 0, {"mean": np.float64(1.0)})
+    got = ArchiveReader(archive).load_execution(0, "n")
+    assert math.isnan(got.reward)
+    assert got.metrics == {"np_float": 0.5, "np_int": 3, "arr": [0, 1, 2]}
+
+
+def test_nothing_but_arrays_and_json(archive: str) -> None:
+    """No object dtypes, no pickle codec, only zarr.json metadata and chunk files on disk."""
+    for i in range(3):
+        write_execution(archive, make_execution(f"e{i}", 0, seed=i))
+    commit_step(archive, 0, {"ok": True})
+    root = zarr.open_group(archive, mode="r")
+    allowed = {"int32", "int64", "float32"}
+    n_arrays = 0
+    stack = [root]
+    while stack:
+        g = stack.pop()
+        json.dumps(dict(g.attrs), allow_nan=True)  # attributes are plain JSON
+        for _, a in g.arrays():
+            n_arrays += 1
+            data = a[:]
+            assert data.dtype.kind != "O"
+            assert str(a.dtype) in allowed or isinstance(a.dtype, np.dtypes.StringDType)
+            json.dumps(dict(a.attrs))
+        stack.extend(child for _, child in g.groups())
+    assert n_arrays == 3 * len(schema.ARRAYS)
+    codecs: set[str] = set()
+    for f in Path(archive).rglob("*"):
+        if f.is_file():
+            assert f.name == "zarr.json" or "/c/" in f.as_posix(), f
+            if f.name == "zarr.json":
+                meta = json.loads(f.read_text())
+                codecs |= {c["name"] for c in meta.get("codecs", [])}
+    assert "pickle" not in " ".join(codecs).lower()
+    assert codecs <= {"bytes", "blosc", "vlen-utf8", "zstd"}, codecs
