@@ -48,6 +48,49 @@ class GenerationResult:
     prefix_reused: int = 0
 
 
+class RequestExported(Exception):
+    """The request left this engine by :meth:`Engine.export_request`.
+
+    The future that ``submit`` returned for it resolves with this exception; the request goes on
+    in whatever engine imports its :class:`LiveRequestState` (under the same ``request_id``).
+    """
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id!r} was exported from this engine")
+        self.request_id = request_id
+
+
+@dataclass
+class LiveRequestState:
+    """A request in flight, as plain data: enough to resume it exactly in another engine.
+
+    Holds numpy arrays, ints, strings and bytes only, so it pickles without torch and can travel
+    through Dask. Resuming with the same weights continues to the very tokens and log-probs the
+    request would have produced had it never moved.
+    """
+
+    request_id: str
+    prompt_ids: np.ndarray  # (P,) int32
+    completion_ids: np.ndarray  # (C,) int32, sampled so far
+    logprobs: np.ndarray  # (C,) float32
+    versions: np.ndarray  # (C,) int32
+    params: SamplingParams
+    session: str | None
+    generator_state: np.ndarray  # (G,) uint8, ``torch.Generator.get_state()`` of its sampler
+    kv: np.ndarray  # (L, 2, Hkv, N, Dh) float32: keys and values of its first N tokens
+    """N = tokens whose KV is cached: ``P + C - 1`` in flight (the last sampled token is not yet
+    fed), 0 when it had not been admitted yet."""
+    prefix_reused: int = 0
+    source: str = ""
+    """Name of the engine it left."""
+    source_version: int = 0
+    """That engine's weights version when it left."""
+
+    @property
+    def num_cached(self) -> int:
+        return int(self.kv.shape[3]) if self.kv.ndim == 5 else 0
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A model replica that serves generation requests with continuous batching."""
@@ -60,8 +103,8 @@ class Engine(Protocol):
 
     def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None: ...
 
-    def export_request(self, request_id: str): ...
+    def export_request(self, request_id: str) -> LiveRequestState: ...
 
-    def import_request(self, state) -> Future: ...
+    def import_request(self, state: LiveRequestState) -> Future: ...
 
     def stats(self) -> dict: ...

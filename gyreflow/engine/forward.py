@@ -1,0 +1,434 @@
+"""A functional Llama forward pass over a slot-indexed KV cache, and per-row sampling.
+
+The engine keeps its own copy of the policy's weights (q/k/v and gate/up fused, so a layer is
+four matmuls) and runs this forward for prefill chunks and decode iterations alike: every row of a
+batch is one request, identified by its cache slot, with its own start position and number of new
+tokens. Numerics follow Hugging Face's ``LlamaForCausalLM`` (float32 RMSNorm, default rotary
+embedding, grouped-query attention, SwiGLU MLP, tied ``lm_head``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a Llama model, read from its Hugging Face config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelSpec":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported by the torch engine")
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=theta,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # (D,)
+    qkv: torch.Tensor  # ((Hq + 2 Hkv) Dh, D)
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # (D, Hq Dh)
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor  # (D,)
+    gate_up: torch.Tensor  # (2 I, D)
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # (D, I)
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # (V, D)
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # (D,)
+    lm_head: torch.Tensor  # (V, D), the embedding itself when tied
+
+
+def weight_names(spec: ModelSpec) -> list[str]:
+    """The state-dict keys a full weight set must contain."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [
+            p + "input_layernorm.weight",
+            p + "post_attention_layernorm.weight",
+            p + "self_attn.q_proj.weight",
+            p + "self_attn.k_proj.weight",
+            p + "self_attn.v_proj.weight",
+            p + "self_attn.o_proj.weight",
+            p + "mlp.gate_proj.weight",
+            p + "mlp.up_proj.weight",
+            p + "mlp.down_proj.weight",
+        ]
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def build_weights(
+    state: Mapping[str, np.ndarray | torch.Tensor],
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> ModelWeights:
+    """Device tensors for the forward pass from a Hugging Face state dict.
+
+    Parameters
+    ----------
+    state
+        ``model.state_dict()`` or its numpy copy (:func:`gyreflow.model.policy.state_dict_numpy`).
+    spec
+        The model's shape; every key of :func:`weight_names` must be present with a matching shape.
+    device, dtype
+        Where and in what precision the weights live.
+
+    Raises
+    ------
+    KeyError
+        A required weight is missing.
+    ValueError
+        A weight has the wrong shape.
+    """
+    missing = [k for k in weight_names(spec) if k not in state]
+    if missing:
+        raise KeyError(f"weights lack {missing[:3]}{'...' if len(missing) > 3 else ''}")
+
+    def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        v = state[name]
+        t = v.detach() if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
+        if shape is not None and tuple(t.shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(t.shape)}, expected {shape}")
+        return t.to(device=device, dtype=dtype)
+
+    def opt(name: str) -> torch.Tensor | None:
+        return get(name) if name in state else None
+
+    def fused_bias(names: list[str], sizes: list[int]) -> torch.Tensor | None:
+        # A fused matmul needs a bias for every part once any part has one.
+        parts = [opt(n) for n in names]
+        if all(p is None for p in parts):
+            return None
+        return torch.cat([p if p is not None else torch.zeros(s, device=device, dtype=dtype) for p, s in zip(parts, sizes)])
+
+    d, dh, hq, hkv, inter = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        layers.append(
+            LayerWeights(
+                attn_norm=get(p + "input_layernorm.weight", (d,)),
+                qkv=torch.cat(
+                    [
+                        get(a + "q_proj.weight", (hq * dh, d)),
+                        get(a + "k_proj.weight", (hkv * dh, d)),
+                        get(a + "v_proj.weight", (hkv * dh, d)),
+                    ]
+                ).contiguous(),
+                qkv_bias=fused_bias([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], [hq * dh, hkv * dh, hkv * dh]),
+                o=get(a + "o_proj.weight", (d, hq * dh)).contiguous(),
+                o_bias=opt(a + "o_proj.bias"),
+                mlp_norm=get(p + "post_attention_layernorm.weight", (d,)),
+                gate_up=torch.cat([get(m + "gate_proj.weight", (inter, d)), get(m + "up_proj.weight", (inter, d))]).contiguous(),
+                gate_up_bias=fused_bias([m + "gate_proj.bias", m + "up_proj.bias"], [inter, inter]),
+                down=get(m + "down_proj.weight", (d, inter)).contiguous(),
+                down_bias=opt(m + "down_proj.bias"),
+            )
+        )
+    embed = get("model.embed_tokens.weight", (spec.vocab_size, d)).contiguous()
+    lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight", (spec.vocab_size, d)).contiguous()
+    return ModelWeights(embed=embed, layers=layers, norm=get("model.norm.weight", (d,)), lm_head=lm_head)
+
+
+def rope_tables(spec: ModelSpec, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine of the default Llama rotary embedding for positions ``0 .. max_len - 1``.
+
+    Computed in float32 exactly as Hugging Face does (one product per angle), so positions match
+    bit for bit.
+    """
+    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).to(dtype=torch.float32) / spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta**exponents)  # (Dh/2,)
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # (M, Dh/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (M, Dh)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # same formula, one fused op
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, H, Dh) by per-position ``cos``/``sin`` (B, T, 1, Dh)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for every slot.
+
+    ``k`` and ``v`` are (L, S, Hkv, M, Dh): layer, slot, kv head, position, head dim. Positions at
+    or beyond a slot's length hold stale but finite values; attention masks them. Memory is
+    allocated uninitialised and zeroed lazily up to the longest sequence seen, so a large
+    ``max_len`` costs resident memory only once sequences grow that long.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    zeroed: int = 0
+    """Positions ``[0, zeroed)`` of every slot have been initialised."""
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, slots: int, max_len: int, device: torch.device, dtype: torch.dtype) -> "KVCache":
+        shape = (spec.num_layers, slots, spec.num_kv_heads, max_len, spec.head_dim)
+        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def ensure(self, n: int) -> None:
+        """Initialise positions up to ``n`` before anything reads or writes them.
+
+        Masked positions are still multiplied by a zero attention weight, and 0 * NaN from
+        uninitialised memory would poison the output.
+        """
+        if n <= self.zeroed:
+            return
+        if n > self.max_len:
+            raise ValueError(f"sequence of {n} tokens exceeds the cache length {self.max_len}")
+        hi = min(self.max_len, max(n, 2 * self.zeroed, 64))  # grow geometrically: few calls
+        self.k[:, :, :, self.zeroed : hi] = 0
+        self.v[:, :, :, self.zeroed : hi] = 0
+        self.zeroed = hi
+
+    def move(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` positions of slot ``src`` into slot ``dst``."""
+        if n > 0 and src != dst:
+            self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+
+    def read(self, slot: int, n: int) -> np.ndarray:
+        """The first ``n`` positions of ``slot`` as one array (L, 2, Hkv, n, Dh) float32."""
+        kv = torch.stack([self.k[:, slot, :, :n], self.v[:, slot, :, :n]], dim=1)  # (L, 2, Hkv, n, Dh)
+        return kv.float().cpu().numpy().copy()
+
+    def write(self, slot: int, kv: np.ndarray) -> None:
+        """Store an array from :meth:`read` at the start of ``slot``."""
+        n = kv.shape[3]
+        if n == 0:
+            return
+        self.ensure(n)
+        t = torch.from_numpy(np.ascontiguousarray(kv)).to(device=self.k.device, dtype=self.k.dtype)
+        self.k[:, slot, :, :n] = t[:, 0]
+        self.v[:, slot, :, :n] = t[:, 1]
+
+
+def forward(
+    w: ModelWeights,
+    spec: ModelSpec,
+    cache: KVCache,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    slots: slice | torch.Tensor,
+    tokens: torch.Tensor,
+    starts: torch.Tensor,
+    n_new: torch.Tensor | None = None,
+    t_keys: int | None = None,
+) -> torch.Tensor:
+    """Run new tokens of a batch of cache slots through the model; return next-token logits.
+
+    Parameters
+    ----------
+    w, spec, cache, rope
+        Weights, shape, KV cache and :func:`rope_tables` of the model.
+    slots
+        The cache slot of each row: a contiguous ``slice`` (decode: no gather copy) or an index
+        tensor (B,).
+    tokens
+        (B, T) int64 new tokens, right-padded where a row has fewer than T.
+    starts
+        (B,) int64 position of each row's first new token (= tokens already cached in its slot).
+    n_new
+        (B,) int64 number of real tokens per row; ``None`` means all T.
+    t_keys
+        ``max(starts + n_new)`` when the caller knows it (saves a device sync).
+
+    Returns
+    -------
+    torch.Tensor
+        (B, V) float32 logits after each row's last real token. The new tokens' keys and values
+        are written into the cache.
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    hq, hkv, dh, g = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    t_idx = torch.arange(T, device=dev)
+    qpos = starts[:, None] + t_idx[None, :]  # (B, T)
+    if t_keys is None:
+        t_keys = int(starts.max().item()) + T if n_new is None else int((starts + n_new).max().item())
+    cache.ensure(t_keys)
+
+    # Which new tokens are written, and where: padding never touches the cache.
+    if isinstance(slots, slice):
+        slot_ids = torch.arange(slots.start, slots.stop, device=dev)  # (B,)
+    else:
+        slot_ids = slots
+    if n_new is None:
+        valid = None
+        w_slot = slot_ids[:, None].expand(B, T).reshape(-1)  # (B T,)
+        w_pos = qpos.reshape(-1)
+    else:
+        valid = t_idx[None, :] < n_new[:, None]  # (B, T)
+        w_slot = slot_ids[:, None].expand(B, T)[valid]  # (N,)
+        w_pos = qpos[valid]
+
+    cos_t, sin_t = rope
+    cos = cos_t[qpos].unsqueeze(2)  # (B, T, 1, Dh)
+    sin = sin_t[qpos].unsqueeze(2)
+    key_pos = torch.arange(t_keys, device=dev)
+    # Causal and length mask in one: key j is visible to query at position p iff j <= p.
+    masked = (key_pos[None, None, :] > qpos[:, :, None]).view(B, 1, 1, T, t_keys)  # (B, 1, 1, T, Tk)
+    scale = dh**-0.5
+
+    h = w.embed[tokens]  # (B, T, D)
+    for li, lw in enumerate(w.layers):
+        x = rms_norm(h, lw.attn_norm, spec.rms_norm_eps)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (B, T, (Hq + 2 Hkv) Dh)
+        qk, v = qkv.split([(hq + hkv) * dh, hkv * dh], dim=-1)
+        # Queries and keys rotate by the same angles: one rotation for both.
+        qk = apply_rope(qk.view(B, T, hq + hkv, dh), cos, sin)  # (B, T, Hq + Hkv, Dh)
+        q, k = qk[:, :, :hq], qk[:, :, hq:]  # (B, T, Hq, Dh), (B, T, Hkv, Dh)
+        v = v.view(B, T, hkv, dh)
+        ck, cv = cache.k[li], cache.v[li]  # (S, Hkv, M, Dh)
+        if valid is None:
+            ck[w_slot, :, w_pos] = k.reshape(B * T, hkv, dh)
+            cv[w_slot, :, w_pos] = v.reshape(B * T, hkv, dh)
+        else:
+            ck[w_slot, :, w_pos] = k[valid]  # (N, Hkv, Dh)
+            cv[w_slot, :, w_pos] = v[valid]
+        if isinstance(slots, slice):
+            keys = ck[slots, :, :t_keys]  # (B, Hkv, Tk, Dh), a view
+            vals = cv[slots, :, :t_keys]
+        else:
+            keys = ck[:, :, :t_keys].index_select(0, slots)
+            vals = cv[:, :, :t_keys].index_select(0, slots)
+        # Query head h reads kv head h // g, as Hugging Face's repeat_kv lays them out.
+        qg = q.permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).view(B, hkv, g, T, t_keys)  # (B, Hkv, G, T, Tk)
+        scores = (scores.float() * scale).masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(vals.dtype).view(B, hkv, g * T, t_keys)
+        attn = torch.matmul(probs, vals)  # (B, Hkv, G T, Dh)
+        attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B, T, hq * dh)  # (B, T, Hq Dh)
+        h = h + F.linear(attn, lw.o, lw.o_bias)
+        x = rms_norm(h, lw.mlp_norm, spec.rms_norm_eps)
+        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # (B, T, I) each
+        h = h + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+
+    if T == 1:
+        last = h[:, 0]  # (B, D)
+    else:
+        last_idx = (n_new - 1) if n_new is not None else torch.full((B,), T - 1, device=dev)
+        last = h[torch.arange(B, device=dev), last_idx]  # (B, D)
+    return F.linear(rms_norm(last, w.norm, spec.rms_norm_eps), w.lm_head).float()  # (B, V)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF (over the row's nucleus when ``top_p < 1``).
+
+    Each row's token is a function of its logits row and its own uniform draw only, so a request
+    samples the same token whatever batch it shares.
+
+    Parameters
+    ----------
+    logits
+        (B, V) float32.
+    temperature
+        (B,) float32; 0 means greedy.
+    top_p
+        (B,) float64 nucleus mass in (0, 1].
+    uniform
+        (B,) float64 draws in [0, 1) from each request's generator (ignored for greedy rows).
+
+    Returns
+    -------
+    tokens : torch.Tensor
+        (B,) int64.
+    logprobs : torch.Tensor
+        (B,) float32 behaviour log-probs: log-softmax of ``logits / temperature`` (temperature 1 for
+        greedy rows) at the token, before nucleus truncation.
+    """
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / t[:, None], dim=-1)  # (B, V)
+    # float64 for the cumulative sums: fewer draws land on a flipped boundary.
+    probs = logp.double().exp()  # (B, V)
+    # Rows without a nucleus invert the CDF in vocabulary order and skip the sort; which path a
+    # row takes depends on its own top_p only, so batching never changes a row's token.
+    cum = probs.cumsum(-1)  # (B, V)
+    pick = torch.searchsorted(cum, (uniform * cum[:, -1])[:, None], right=True).squeeze(1)
+    sampled = pick.clamp_(max=probs.shape[-1] - 1)  # (B,)
+    nucleus = torch.nonzero(top_p < 1.0).squeeze(1)  # (R,)
+    if len(nucleus):
+        sampled[nucleus] = _sample_nucleus(probs[nucleus], top_p[nucleus], uniform[nucleus])
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _sample_nucleus(probs: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw over the smallest most-likely head of each (R, V) row with mass >= top_p."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # (R, V)
+    cum = sorted_p.cumsum(-1)
+    keep = (cum - sorted_p) < top_p[:, None]  # the first token is always kept
+    kept_cum = (sorted_p * keep).cumsum(-1)  # (R, V)
+    target = uniform * kept_cum[:, -1]  # (R,)
+    pick = torch.searchsorted(kept_cum, target[:, None], right=True).squeeze(1)  # (R,)
+    pick = torch.minimum(pick, keep.sum(-1) - 1)
+    return order.gather(1, pick[:, None]).squeeze(1)

@@ -1,0 +1,449 @@
+"""The shared engine test suite.
+
+``EngineTests`` states what every engine must do; each engine gets a ``Test...`` subclass that says
+how to build one (as zarr-python's shared store tests do). References are Hugging Face forward
+passes of the same model, recomputed without any cache.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from gyreflow.engine.base import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    LiveRequestState,
+    RequestExported,
+    SamplingParams,
+)
+from gyreflow.engine.runner import EngineRunner
+from gyreflow.engine.torch_engine import TorchEngine
+from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
+from gyreflow.model.chat import decode_ids
+
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,  # grouped-query attention on purpose
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and they stall on a busy CPU box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_policy(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_b():
+    """Other weights of the same shape, published as a later version."""
+    return build_policy(TINY, seed=1)
+
+
+def prompt(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 262, size=n).astype(np.int32)
+
+
+def req(rid: str, n: int, key: int, session: str | None = None, ids: np.ndarray | None = None, **params) -> GenerationRequest:
+    """A request with an ``n``-token random prompt drawn from ``key``, sampled with seed ``key``
+    unless ``seed`` is given."""
+    params.setdefault("seed", key)
+    ids = prompt(n, key + 1000) if ids is None else ids
+    return GenerationRequest(rid, ids, SamplingParams(**params), session=session)
+
+
+def run_all(engine, futures: list[Future], max_steps: int = 5000) -> list[GenerationResult]:
+    """Step ``engine`` until every future is done."""
+    for _ in range(max_steps):
+        if all(f.done() for f in futures):
+            break
+        engine.step()
+    return [f.result(timeout=0) for f in futures]
+
+
+def generate(engine, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    return run_all(engine, [engine.submit(r) for r in requests])
+
+
+def hf_logits(model, result: GenerationResult) -> torch.Tensor:
+    """(C, V) logits the HF model gives before each completion token, from one uncached pass."""
+    seq = np.concatenate([result.prompt_ids, result.completion_ids]).astype(np.int64)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(seq)[None]).logits[0].float()
+    p = len(result.prompt_ids)
+    return logits[p - 1 : len(seq) - 1]
+
+
+def hf_logprobs(model, result: GenerationResult, temperature: float) -> np.ndarray:
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(hf_logits(model, result) / t, dim=-1)
+    return logp.gather(1, torch.from_numpy(result.completion_ids.astype(np.int64))[:, None])[:, 0].numpy()
+
+
+def assert_same(a: GenerationResult, b: GenerationResult, atol: float = 1e-5) -> None:
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol, rtol=0)
+    np.testing.assert_array_equal(a.versions, b.versions)
+    assert a.finish_reason == b.finish_reason
+
+
+MIXED = [
+    # (prompt length, seed, params)
+    (3, 1, dict(temperature=1.0, max_tokens=12)),
+    (17, 2, dict(temperature=0.7, max_tokens=20)),
+    (1, 3, dict(temperature=0.0, max_tokens=9)),
+    (40, 4, dict(temperature=1.3, top_p=0.8, max_tokens=15)),
+    (8, 5, dict(temperature=0.9, top_p=0.5, max_tokens=6)),
+    (25, 6, dict(temperature=1.0, max_tokens=25)),
+]
+
+
+def mixed_requests(prefix: str = "m") -> list[GenerationRequest]:
+    return [req(f"{prefix}{i}", n, s, **p) for i, (n, s, p) in enumerate(MIXED)]
+
+
+class EngineTests:
+    """Behaviour every engine shares. Subclasses implement :meth:`make_engine`."""
+
+    supports_logits_hook = False
+    """Whether ``make_engine(..., logits_hook=f)`` reports every sampling call's logits."""
+
+    def make_engine(self, model, **kwargs):
+        raise NotImplementedError
+
+    # 0. protocol
+
+    def test_is_an_engine(self, model):
+        engine = self.make_engine(model)
+        assert isinstance(engine, Engine)
+        stats = engine.stats()
+        for key in ("live", "waiting", "version", "tokens_generated", "iterations", "prefill_tokens", "reused_tokens"):
+            assert key in stats
+
+    # 1. cached decode == uncached forward
+
+    def test_decode_logits_match_full_forward(self, model):
+        if not self.supports_logits_hook:
+            pytest.skip("engine does not report logits")
+        seen: dict[str, list[torch.Tensor]] = {}
+
+        def hook(ids, logits):
+            for i, rid in enumerate(ids):
+                seen.setdefault(rid, []).append(logits[i].cpu())
+
+        engine = self.make_engine(model, logits_hook=hook)
+        results = generate(engine, mixed_requests())
+        for r in results:
+            got = torch.stack(seen[r.request_id])  # (C, V)
+            torch.testing.assert_close(got, hf_logits(model, r), atol=1e-4, rtol=0)
+
+    # 2. behaviour log-probs
+
+    def test_logprobs_match_recompute(self, model):
+        engine = self.make_engine(model)
+        for r, (_, _, p) in zip(generate(engine, mixed_requests()), MIXED):
+            np.testing.assert_allclose(r.logprobs, hf_logprobs(model, r, p["temperature"]), atol=1e-4, rtol=0)
+            assert r.logprobs.dtype == np.float32 and r.versions.dtype == np.int32
+            assert (r.logprobs <= 0).all()
+
+    # 3. continuous batching
+
+    def test_batching_matches_one_at_a_time(self, model):
+        alone = [generate(self.make_engine(model), [r])[0] for r in mixed_requests()]
+        together = generate(self.make_engine(model), mixed_requests())
+        queued = generate(self.make_engine(model, max_batch=2), mixed_requests())
+        for a, b, c in zip(alone, together, queued):
+            assert_same(a, b)
+            assert_same(a, c)
+
+    def test_staggered_arrivals_match_one_at_a_time(self, model):
+        alone = [generate(self.make_engine(model), [r])[0] for r in mixed_requests()]
+        engine = self.make_engine(model)
+        futures = []
+        for i, r in enumerate(mixed_requests()):
+            futures.append(engine.submit(r))
+            for _ in range(i % 3 + 1):
+                engine.step()
+        for a, b in zip(alone, run_all(engine, futures)):
+            assert_same(a, b)
+
+    # 4. live export / import
+
+    def test_export_import_continues_exactly(self, model):
+        target = req("moving", 11, 7, temperature=0.9, top_p=0.9, max_tokens=30)
+        reference = generate(self.make_engine(model), [target])[0]
+        others = mixed_requests("a")
+        others_alone = [generate(self.make_engine(model), [r])[0] for r in others]
+
+        src = self.make_engine(model, name="src")
+        moving = src.submit(target)
+        other_futures = [src.submit(r) for r in others]
+        for _ in range(5):
+            src.step()
+        state = src.export_request("moving")
+        with pytest.raises(RequestExported):
+            moving.result(timeout=0)
+        assert isinstance(state, LiveRequestState)
+        assert 0 < len(state.completion_ids) < 30
+        assert state.kv.shape[3] == len(state.prompt_ids) + len(state.completion_ids) - 1
+        state = pickle.loads(pickle.dumps(state))
+
+        dst = self.make_engine(model, name="dst")
+        busy = [dst.submit(r) for r in mixed_requests("b")]  # the destination is not idle
+        moved = dst.import_request(state)
+        result = run_all(dst, [moved, *busy])[0]
+        assert_same(reference, result)
+        assert result.engine == "dst"
+        # The requests left behind were not disturbed by the hole the export made.
+        for a, b in zip(others_alone, run_all(src, other_futures)):
+            assert_same(a, b)
+
+    def test_export_waiting_request(self, model):
+        target = req("late", 6, 8, temperature=1.0, max_tokens=10)
+        reference = generate(self.make_engine(model), [target])[0]
+        src = self.make_engine(model, max_batch=1)
+        first = src.submit(req("first", 4, 9, max_tokens=5))
+        late = src.submit(target)
+        src.step()
+        state = src.export_request("late")
+        assert len(state.completion_ids) == 0
+        with pytest.raises(RequestExported):
+            late.result(timeout=0)
+        run_all(src, [first])
+        dst = self.make_engine(model)
+        assert_same(reference, run_all(dst, [dst.import_request(state)])[0])
+        with pytest.raises(KeyError):
+            src.export_request("late")
+
+    # 5. weight versions
+
+    def test_weights_apply_between_iterations(self, model, model_b):
+        engine = self.make_engine(model)
+        fut = engine.submit(req("v", 5, 10, temperature=1.0, max_tokens=12))
+        for _ in range(3):
+            engine.step()
+        engine.load_weights(state_dict_numpy(model_b), version=1)
+        assert engine.version == 0  # staged, not applied mid-flight
+        result = run_all(engine, [fut])[0]
+        assert engine.version == 1
+        n_old = int((result.versions == 0).sum())
+        assert n_old > 0 and len(result.versions) == 12
+        np.testing.assert_array_equal(result.versions, [0] * n_old + [1] * (12 - n_old))
+        # A request under the new version samples from the new weights.
+        fresh = generate(engine, [req("after", 9, 11, temperature=0.8, max_tokens=8)])[0]
+        assert (fresh.versions == 1).all()
+        np.testing.assert_allclose(fresh.logprobs, hf_logprobs(model_b, fresh, 0.8), atol=1e-4, rtol=0)
+        assert engine.stats()["version"] == 1
+
+    def test_load_weights_rejects_incomplete(self, model):
+        engine = self.make_engine(model)
+        weights = state_dict_numpy(model)
+        weights.pop("model.norm.weight")
+        with pytest.raises(KeyError):
+            engine.load_weights(weights, version=1)
+
+    # 6. stopping and sampling
+
+    def test_max_tokens(self, model):
+        r = generate(self.make_engine(model), [req("len", 5, 12, max_tokens=7)])[0]
+        assert r.finish_reason == "length" and len(r.completion_ids) == 7
+
+    def test_stop_token_ids(self, model):
+        base = generate(self.make_engine(model), [req("s", 5, 13, max_tokens=40)])[0]
+        stop_id = int(base.completion_ids[10])
+        cut = int(np.flatnonzero(base.completion_ids == stop_id)[0]) + 1
+        r = generate(self.make_engine(model), [req("s", 5, 13, max_tokens=40, stop_token_ids=(stop_id,))])[0]
+        assert r.finish_reason == "stop"
+        np.testing.assert_array_equal(r.completion_ids, base.completion_ids[:cut])
+
+    def test_stop_strings(self, model):
+        base = generate(self.make_engine(model), [req("s", 5, 14, max_tokens=60)])[0]
+        ascii_at = [i for i, t in enumerate(base.completion_ids) if 32 <= t < 127 and i >= 3]
+        stop = chr(int(base.completion_ids[ascii_at[0]]))
+        cut = next(i + 1 for i in range(len(base.completion_ids)) if decode_ids(base.completion_ids[: i + 1]).endswith(stop))
+        r = generate(self.make_engine(model), [req("s", 5, 14, max_tokens=60, stop=("\x00never", stop))])[0]
+        assert r.finish_reason == "stop"
+        np.testing.assert_array_equal(r.completion_ids, base.completion_ids[:cut])
+        assert decode_ids(r.completion_ids).endswith(stop)
+
+    def test_greedy_is_deterministic_argmax(self, model):
+        a = generate(self.make_engine(model), [req("g", 9, 15, temperature=0.0, max_tokens=12, seed=1)])[0]
+        b = generate(self.make_engine(model), [req("g", 9, 15, temperature=0.0, max_tokens=12, seed=2)])[0]
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+        np.testing.assert_array_equal(a.completion_ids, hf_logits(model, a).argmax(-1).numpy())
+
+    def test_seeds(self, model):
+        a, b, c = (
+            generate(self.make_engine(model), [req("x", 6, 16, max_tokens=16, seed=s)])[0] for s in (5, 5, 6)
+        )
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+        assert not np.array_equal(a.completion_ids, c.completion_ids)
+        # Unseeded requests draw their own seeds.
+        d, e = generate(self.make_engine(model), [req("d", 6, 16, max_tokens=16, seed=None), req("e", 6, 16, max_tokens=16, seed=None)])
+        assert not np.array_equal(d.completion_ids, e.completion_ids)
+
+    def test_top_p(self, model):
+        # A nucleus this small holds only the most likely token: greedy, with untruncated log-probs.
+        tiny = generate(self.make_engine(model), [req("p", 7, 17, temperature=1.0, top_p=1e-6, max_tokens=10)])[0]
+        logits = hf_logits(model, tiny)
+        np.testing.assert_array_equal(tiny.completion_ids, logits.argmax(-1).numpy())
+        np.testing.assert_allclose(tiny.logprobs, hf_logprobs(model, tiny, 1.0), atol=1e-4, rtol=0)
+        assert (tiny.logprobs < -1.0).all()  # near-uniform random model: far from log(1)
+        # Every token sampled with top_p=0.3 lies in its step's nucleus.
+        r = generate(self.make_engine(model), [req("q", 7, 18, temperature=1.0, top_p=0.3, max_tokens=30)])[0]
+        probs = torch.softmax(hf_logits(model, r).double(), dim=-1)
+        for row, tok in zip(probs, r.completion_ids):
+            sorted_p, order = torch.sort(row, descending=True)
+            n_keep = int(((sorted_p.cumsum(0) - sorted_p) < 0.3).sum())
+            assert int(tok) in order[:n_keep].tolist()
+
+    # 7. session prefix reuse
+
+    def test_session_prefix_reuse(self, model):
+        first = req("t1", 20, 19, session="s", temperature=0.8, max_tokens=10)
+        engine = self.make_engine(model)
+        r1 = generate(engine, [first])[0]
+        follow_ids = np.concatenate([r1.prompt_ids, r1.completion_ids, prompt(6, 20)]).astype(np.int32)
+        follow = req("t2", 0, 21, session="s", ids=follow_ids, temperature=0.8, max_tokens=10)
+        r2 = generate(engine, [follow])[0]
+        assert r2.prefix_reused == len(r1.prompt_ids) + len(r1.completion_ids) - 1
+        assert engine.stats()["reused_tokens"] >= r2.prefix_reused
+        no_reuse = generate(self.make_engine(model), [req("t2", 0, 21, ids=follow_ids, temperature=0.8, max_tokens=10)])[0]
+        assert no_reuse.prefix_reused == 0
+        assert_same(no_reuse, r2)
+        # A prompt that leaves the session's history early reuses only the shared part.
+        branch_ids = np.concatenate([follow_ids[:5], prompt(9, 22)]).astype(np.int32)
+        if branch_ids[5] == follow_ids[5]:
+            branch_ids[5] = (branch_ids[5] + 1) % 256
+        r3 = generate(engine, [req("t3", 0, 23, session="s", ids=branch_ids, max_tokens=6)])[0]
+        assert r3.prefix_reused == 5
+        assert_same(generate(self.make_engine(model), [req("t3", 0, 23, ids=branch_ids, max_tokens=6)])[0], r3)
+
+    # 8. serving from threads
+
+    def test_runner_serves_threads(self, model):
+        requests = [[req(f"w{t}-{i}", 3 + 2 * i + t, 100 * t + i, max_tokens=4 + i % 5) for i in range(8)] for t in range(4)]
+        reference_engine = self.make_engine(model)
+        reference = {r.request_id: generate(reference_engine, [r])[0] for group in requests for r in group}
+        engine = self.make_engine(model, max_batch=8)
+        results: dict[str, GenerationResult] = {}
+        lock = threading.Lock()
+
+        def client(group):
+            futures = []
+            for r in group:
+                futures.append(engine.submit(r))
+                time.sleep(0.001)
+            for f in futures:
+                res = f.result(timeout=60)
+                with lock:
+                    results[res.request_id] = res
+
+        with EngineRunner(engine) as runner:
+            threads = [threading.Thread(target=client, args=(g,)) for g in requests]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert runner.running
+        assert not runner.running and not runner.errors
+        assert len(results) == 32
+        for rid, res in results.items():
+            assert_same(reference[rid], res)
+        assert engine.stats()["live"] == 0
+
+    def test_runner_moves_live_request(self, model, model_b):
+        # Long enough that the export lands mid-flight even on a slow, busy box.
+        target = req("long", 12, 24, temperature=1.0, max_tokens=240)
+        reference = generate(self.make_engine(model), [target])[0]
+        src, dst = self.make_engine(model, name="src"), self.make_engine(model, name="dst")
+        with EngineRunner(src) as a, EngineRunner(dst):
+            fut = a.submit(target)
+            deadline = time.monotonic() + 30
+            while src.stats()["tokens_generated"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            state = a.export_request("long")
+            moved = dst.import_request(state).result(timeout=60)
+        with pytest.raises(RequestExported):
+            fut.result(timeout=0)
+        assert len(state.completion_ids) >= 3
+        assert_same(reference, moved)
+
+
+class TestTorchEngine(EngineTests):
+    supports_logits_hook = True
+    device = "cpu"
+
+    def make_engine(self, model, **kwargs):
+        kwargs.setdefault("max_seq_len", 256)
+        return TorchEngine(model, device=self.device, **kwargs)
+
+    def test_chunked_and_grouped_prefill(self, model):
+        alone = [generate(self.make_engine(model), [r])[0] for r in mixed_requests()]
+        engine = self.make_engine(model, prefill_chunk=4, prefill_batch_tokens=12)
+        for a, b in zip(alone, generate(engine, mixed_requests())):
+            assert_same(a, b)
+
+    def test_stale_sessions_are_dropped(self, model, model_b):
+        engine = self.make_engine(model, retain_slots=1)
+        r1 = generate(engine, [req("a1", 10, 30, session="a", max_tokens=4)])[0]
+        ids = np.concatenate([r1.prompt_ids, r1.completion_ids]).astype(np.int32)
+        # A second session evicts the first from the single retained slot.
+        generate(engine, [req("b1", 10, 31, session="b", max_tokens=4)])
+        assert generate(engine, [req("a2", 0, 32, session="a", ids=ids, max_tokens=4)])[0].prefix_reused == 0
+        # KV from older weights is never reused.
+        r3 = generate(engine, [req("a3", 0, 33, session="a", ids=ids, max_tokens=4)])[0]
+        assert r3.prefix_reused > 0
+        engine.load_weights(state_dict_numpy(model_b), version=2)
+        r4 = generate(engine, [req("a4", 0, 33, session="a", ids=ids, max_tokens=4)])[0]
+        assert r4.prefix_reused == 0 and (r4.versions == 2).all()
+
+    def test_uninitialised_cache_memory_is_harmless(self, model):
+        alone = [generate(self.make_engine(model), [r])[0] for r in mixed_requests()[:3]]
+        engine = self.make_engine(model)
+        with torch.inference_mode():
+            engine._cache.k.fill_(float("nan"))  # what torch.empty may hand out
+            engine._cache.v.fill_(float("nan"))
+        engine._cache.zeroed = 0
+        for a, b in zip(alone, generate(engine, mixed_requests()[:3])):
+            assert_same(a, b)
+
+    def test_rejects_bad_requests(self, model):
+        engine = self.make_engine(model)
+        with pytest.raises(ValueError):
+            engine.submit(req("e", 0, 0, ids=np.zeros(0, np.int32)))
+        with pytest.raises(ValueError):
+            engine.submit(req("big", 300, 0))
+        with pytest.raises(ValueError):
+            engine.submit(req("tok", 0, 0, ids=np.array([999], np.int32)))
+        engine.submit(req("dup", 3, 0))
+        with pytest.raises(ValueError):
+            engine.submit(req("dup", 3, 0))
+
+    def test_sequence_capped_by_cache(self, model):
+        r = generate(self.make_engine(model, max_seq_len=32), [req("cap", 20, 34, max_tokens=100)])[0]
+        assert r.finish_reason == "length" and len(r.prompt_ids) + len(r.completion_ids) == 32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+class TestTorchEngineCuda(TestTorchEngine):
+    device = "cuda"
