@@ -1,0 +1,163 @@
+"""``gyreflow run | inspect``: the command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+console = Console(highlight=False)
+REPO_PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
+
+
+def _quiet() -> None:
+    # Worker processes inherit these: no hub access, no progress bars from transformers.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
+    import dask
+
+    dask.config.set({"logging.distributed": "error"})
+    for name in ("distributed", "bokeh", "tornado"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def find_pipeline(name: str):
+    """A pipeline module by name (``pipelines/<name>.py`` of the checkout, or ``$GYREFLOW_PIPELINES``)
+    or by path to a ``.py`` file. It must define ``run(client, cfg, run_dir, log=...)``."""
+    if name.endswith(".py"):
+        path = Path(name)
+    else:
+        dirs = [Path(d) for d in os.environ.get("GYREFLOW_PIPELINES", "").split(os.pathsep) if d] + [REPO_PIPELINES]
+        path = next((d / f"{name}.py" for d in dirs if (d / f"{name}.py").is_file()), None)
+        if path is None:
+            known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.py") if not p.stem.startswith("_")})
+            raise click.UsageError(f"unknown pipeline {name!r}; available: {', '.join(known) or 'none'}")
+    if not path.is_file():
+        raise click.UsageError(f"pipeline file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"gyreflow_pipeline_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the pipeline look their module up here
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "run", None)):
+        raise click.UsageError(f"pipeline {path} defines no run(client, cfg, run_dir) function")
+    return module
+
+
+@click.group()
+@click.version_option(package_name="gyreflow")
+def main() -> None:
+    """gyreflow: elastic reinforcement learning on Dask for long-horizon LLM agents."""
+
+
+@main.command()
+@click.option("--pipeline", "pipeline_name", default="grpo", show_default=True, help="Pipeline name or .py file.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
+@click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: storage/runs/<time>).")
+@click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded cluster).")
+@click.option("--sft-cache", type=click.Path(file_okay=False), default="storage/sft-cache", show_default=True,
+              help="Reuse SFT warm starts with identical settings from here ('' disables).")
+def run(pipeline_name, config_path, overrides, out, scheduler, sft_cache) -> None:
+    """Run a training pipeline; writes archive, checkpoints and report.json into the run directory."""
+    from gyreflow.config import ConfigError, load_config
+
+    _quiet()
+    pipeline = find_pipeline(pipeline_name)
+    try:
+        cfg = load_config(config_path, list(overrides))
+    except ConfigError as err:
+        raise click.UsageError(f"invalid config: {err}") from None
+    run_dir = Path(out) if out else Path("storage", "runs", time.strftime("run-%Y%m%d-%H%M%S"))
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise click.UsageError(f"run directory {run_dir} already exists and is not empty; choose another --out")
+
+    from distributed import Client
+
+    from gyreflow.cluster.local import ClusterError, PoolSpec, connect, local_cluster
+
+    cluster = None
+    try:
+        if scheduler:
+            client = connect(scheduler)
+        else:
+            console.print("starting the embedded cluster ...")
+            cluster = local_cluster(PoolSpec(rollout=cfg.cluster.rollout_workers, trainer=cfg.cluster.trainer_workers,
+                                             execution_slots=cfg.cluster.execution_slots,
+                                             dashboard_address=cfg.cluster.dashboard_address))
+            client = Client(cluster)
+    except ClusterError as err:
+        console.print(f"[red]error:[/red] {err}")
+        sys.exit(2)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"dashboard: {client.dashboard_link}")
+    console.print(f"run directory: {run_dir}")
+    code = 0
+    try:
+        report = pipeline.run(client, cfg, run_dir, log=console.print, cache_dir=Path(sft_cache) if sft_cache else None)
+        last = report["steps"][-1] if report["steps"] else {}
+        console.print(f"held-out pass rate: {report['initial_heldout_pass_rate']:.3f} -> "
+                      f"{last.get('heldout_pass_rate', float('nan')):.3f}; report: {run_dir / 'report.json'}")
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]: committed steps stay readable in the archive")
+        _mark_interrupted(run_dir)
+        code = 130
+    except ClusterError as err:
+        console.print(f"[red]error:[/red] {err}")
+        code = 2
+    finally:
+        try:
+            client.cancel(list(client.futures), force=True) if client.futures else None
+            client.close()
+            if cluster is not None:
+                cluster.close()
+        except Exception:
+            pass
+    sys.exit(code)
+
+
+def _mark_interrupted(run_dir: Path) -> None:
+    import json
+
+    path = run_dir / "report.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        data["interrupted"] = True
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+def inspect(run_dir) -> None:
+    """Summarise a run directory: report and committed archive steps."""
+    import json
+
+    from gyreflow.storage import ArchiveReader
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise click.UsageError(f"run directory {run_dir} does not exist")
+    report = run_dir / "report.json"
+    if report.is_file():
+        data = json.loads(report.read_text())
+        console.print(f"initial held-out pass rate: {data.get('initial_heldout_pass_rate')}")
+        for s in data.get("steps", []):
+            console.print(f"  step {s['step']}: held-out {s['heldout_pass_rate']:.3f}  reward {s['mean_reward']:.3f}  "
+                          f"tokens {s['tokens_generated']}  staleness {s['max_staleness']}")
+    archive = run_dir / "archive.zarr"
+    if archive.exists():
+        reader = ArchiveReader(archive)
+        for step in reader.committed_steps:
+            console.print(f"archive step {step}: {len(reader.executions(step))} executions")
+    elif not report.is_file():
+        raise click.UsageError(f"{run_dir} is not a gyreflow run directory (no report.json, no archive.zarr)")

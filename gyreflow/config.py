@@ -1,0 +1,248 @@
+"""Typed, validated configuration of a gyreflow run.
+
+Every field has a docstring; :func:`load_config` builds a :class:`RunConfig` from defaults, a JSON
+file and ``section.field=value`` overrides, and :func:`validate` refuses anything that cannot work
+with a one-line :class:`ConfigError` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from gyreflow.agents.demos import DemoNoise
+from gyreflow.agents.loop import AgentConfig
+from gyreflow.model.policy import ModelConfig
+from gyreflow.train.trainer import OptimConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The vault task suite."""
+
+    horizon: int = 5
+    """Rooms per task (each costs at least two tool calls)."""
+    spare_calls: int = 3
+    """Tool calls allowed beyond the two per room a perfect agent needs."""
+    heldout_tasks: int = 200
+    """Held-out tasks evaluated after SFT and after every step."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """The supervised warm start on synthetic demonstrations."""
+
+    demos: int = 3000
+    """Demonstrations generated (one per training task)."""
+    steps: int = 700
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Sequences per step."""
+    lr: float = 2e-3
+    """Peak learning rate (linear warm-up over the first 30 steps)."""
+    noise: DemoNoise = field(default_factory=DemoNoise)
+    """How often the demonstrator errs."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The reinforcement-learning loop."""
+
+    steps: int = 12
+    """Policy updates."""
+    tasks_per_step: int = 16
+    """Training tasks per step (a group each)."""
+    samples_per_task: int = 8
+    """Executions per task: the group size of the advantage estimator."""
+    advantage: str = "grpo"
+    """Advantage estimator (registry ``gyreflow.algo.ADVANTAGES``)."""
+    loss: str = "ppo_clip"
+    """Policy loss (registry ``gyreflow.algo.LOSSES``)."""
+    clip_eps: float = 0.2
+    """PPO clip range."""
+    staleness: int = 1
+    """Most versions a trained token may lag the weights being updated; 0 is on-policy."""
+    seed: int = 0
+    """Seed of task choice and sampling."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The embedded cluster (ignored for pool sizes when ``--scheduler`` names a cluster)."""
+
+    rollout_workers: int = 1
+    """Cells in the rollout pool (one engine each)."""
+    trainer_workers: int = 1
+    """Cells in the trainer pool."""
+    execution_slots: int = 128
+    """Concurrent executions (threads of the execution worker)."""
+    torch_threads: int = 1
+    """Intra-op torch threads per cell; keep cells x threads <= cores."""
+    engine_max_batch: int = 64
+    """Live generations per engine."""
+    dashboard_address: str = "127.0.0.1:0"
+    """Where the Dask dashboard listens (loopback by default; port 0 picks a free one)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Refuse a configuration that cannot work; returns ``cfg`` unchanged when it can."""
+    from gyreflow.algo import ADVANTAGES, LOSSES
+
+    if cfg.rl.advantage not in ADVANTAGES:
+        raise ConfigError(f"rl.advantage: unknown {cfg.rl.advantage!r}; allowed: {', '.join(ADVANTAGES.names())}")
+    if cfg.rl.loss not in LOSSES:
+        raise ConfigError(f"rl.loss: unknown {cfg.rl.loss!r}; allowed: {', '.join(LOSSES.names())}")
+    for name in ("steps", "tasks_per_step"):
+        _positive(f"rl.{name}", getattr(cfg.rl, name))
+    if cfg.rl.samples_per_task < 2:
+        raise ConfigError(f"rl.samples_per_task must be >= 2 (group-relative advantages), got {cfg.rl.samples_per_task}")
+    _positive("rl.staleness", cfg.rl.staleness, allow_zero=True)
+    _positive("rl.clip_eps", cfg.rl.clip_eps)
+    _positive("task.horizon", cfg.task.horizon)
+    _positive("task.spare_calls", cfg.task.spare_calls, allow_zero=True)
+    _positive("task.heldout_tasks", cfg.task.heldout_tasks)
+    _positive("sft.steps", cfg.sft.steps, allow_zero=True)
+    _positive("sft.demos", cfg.sft.demos)
+    _positive("sft.batch_size", cfg.sft.batch_size)
+    _positive("optim.lr", cfg.optim.lr)
+    _positive("optim.micro_batch_tokens", cfg.optim.micro_batch_tokens)
+    _positive("optim.temperature", cfg.optim.temperature)
+    if cfg.agent.temperature != cfg.optim.temperature:
+        raise ConfigError(
+            f"agent.temperature ({cfg.agent.temperature}) must equal optim.temperature ({cfg.optim.temperature}): "
+            "behaviour log-probs are taken at the sampling temperature"
+        )
+    if not 0 < cfg.agent.top_p <= 1:
+        raise ConfigError(f"agent.top_p must be in (0, 1], got {cfg.agent.top_p}")
+    _positive("agent.max_tokens_per_call", cfg.agent.max_tokens_per_call)
+    _positive("agent.max_context_tokens", cfg.agent.max_context_tokens)
+    _positive("cluster.rollout_workers", cfg.cluster.rollout_workers)
+    if cfg.cluster.trainer_workers != 1:
+        raise ConfigError(
+            f"cluster.trainer_workers must be 1 (one trainer cell holds the optimizer), got {cfg.cluster.trainer_workers}"
+        )
+    _positive("cluster.execution_slots", cfg.cluster.execution_slots)
+    _positive("cluster.torch_threads", cfg.cluster.torch_threads)
+    _positive("cluster.engine_max_batch", cfg.cluster.engine_max_batch)
+    if cfg.model.hidden_size % cfg.model.num_heads:
+        raise ConfigError(
+            f"model.hidden_size ({cfg.model.hidden_size}) must be a multiple of model.num_heads ({cfg.model.num_heads})"
+        )
+    if cfg.model.num_heads % cfg.model.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads ({cfg.model.num_heads}) must be a multiple of model.num_kv_heads ({cfg.model.num_kv_heads})"
+        )
+    return cfg
+
+
+def _coerce(name: str, typ, value):
+    """Turn JSON/CLI ``value`` into ``typ`` (a dataclass, int, float, bool or str)."""
+    if is_dataclass(typ):
+        if isinstance(value, typ):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a table of fields, got {value!r}")
+        return _build(name, typ, value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        try:
+            out = typ(value) if not isinstance(value, str) else typ(float(value)) if typ is int and "." not in value and "e" in value.lower() else typ(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return out
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(prefix: str, cls, values: dict):
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown field {where}{sorted(unknown)[0]}; allowed: {', '.join(sorted(known))}")
+    kwargs = {k: _coerce(f"{prefix}.{k}" if prefix else k, hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["rl.steps=3", "task.horizon=20"]`` -> nested dict (values parsed as JSON when they can be)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the JSON file at ``path``, then ``overrides``; validated."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid JSON: {err}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path} must hold a JSON object")
+    values = _merge(values, parse_overrides(overrides or []))
+    return validate(_build("", RunConfig, values))

@@ -1,0 +1,139 @@
+"""The pipeline's stages: plain functions that run as Dask tasks on the cells of their pool.
+
+Long-lived state (the engine, the trainer) stays in its worker plugin; these functions bring it
+data and references, never models. Pipelines in ``pipelines/`` submit them with readable keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from distributed import get_worker
+
+from gyreflow.agents.demos import demonstrations
+from gyreflow.agents.loop import AgentConfig, run_agent
+from gyreflow.agents.tasks import Task, make_tasks
+from gyreflow.algo import ADVANTAGES
+from gyreflow.cluster.router import Router
+from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
+from gyreflow.model.policy import build_policy, load_policy, save_policy, state_dict_numpy
+from gyreflow.train.packing import PathSample
+from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
+from gyreflow.train.trainer import Trainer
+from gyreflow.trajectory.records import ExecutionResult
+from gyreflow.trajectory.tree import TrajectoryTree, build_tree
+
+
+def _published(model, version: int) -> dict:
+    return {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": version}
+
+
+def sft_fingerprint(cfg) -> str:
+    """Identifies an SFT result: same model, task and SFT settings give the same checkpoint."""
+    key = json.dumps({"model": asdict(cfg.model), "task": asdict(cfg.task), "sft": asdict(cfg.sft),
+                      "agent": asdict(cfg.agent), "seed": cfg.rl.seed}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None) -> dict:
+    """Train the SFT policy on synthetic demonstrations (or reuse a cached one), save it as a
+    checkpoint, and install it as this trainer cell's starting point. Runs on a trainer cell."""
+    service = get_worker().plugins[TRAINER_PLUGIN]
+    t0 = time.time()
+    cached = Path(cache_dir, sft_fingerprint(cfg)) if cache_dir else None
+    metrics: dict = {}
+    if cached is not None and (cached / "config.json").is_file():
+        model = load_policy(cached)
+        metrics["cached"] = str(cached)
+    else:
+        model = build_policy(cfg.model, seed=cfg.rl.seed)
+        tasks = make_tasks("sft", cfg.sft.demos, cfg.task.horizon, cfg.task.spare_calls)
+        demos = demonstrations(tasks, cfg.agent, cfg.sft.noise, seed=cfg.rl.seed)
+        samples = [PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, 0.0)
+                   for d in demos for p in build_tree(d).paths()]
+        trainer = Trainer(model, cfg.optim)
+        rng = np.random.default_rng(cfg.rl.seed)
+        threads = torch.get_num_threads()
+        # Nothing else runs during the warm start, so it may use every core of the cell.
+        torch.set_num_threads(max(threads, torch.get_num_interop_threads(), 1))
+        try:
+            for k in range(cfg.sft.steps):
+                for g in trainer.optimizer.param_groups:
+                    g["lr"] = cfg.sft.lr * min(1.0, (k + 1) / 30)
+                out = trainer.sft_step([samples[j] for j in rng.integers(0, len(samples), cfg.sft.batch_size)])
+        finally:
+            torch.set_num_threads(threads)
+        metrics.update(nll=out["nll"] if cfg.sft.steps else None, demos=len(demos),
+                       demo_pass_rate=float(np.mean([d.passed for d in demos])))
+        if cached is not None:
+            save_policy(model, cached)
+    save_policy(model, checkpoint_dir)
+    service.init(model.config.to_dict(), state_dict_numpy(model), cfg.optim, version=0)
+    metrics["sft_s"] = time.time() - t0
+    return _published(model, 0) | {"metrics": metrics}
+
+
+def publish_weights(published: dict) -> dict:
+    """Install a weights version in this rollout cell's engine. Runs on a rollout cell."""
+    service = get_worker().plugins[ENGINE_PLUGIN]
+    return service.load(published["hf_config"], published["weights"], published["version"])
+
+
+def run_execution(task: Task, agent: AgentConfig, execution_id: str, step: int, sample: int, seed: int) -> ExecutionResult:
+    """One execution of the native agent; its model calls go through the router. Runs in an
+    execution slot."""
+    router = Router(session=execution_id)
+    try:
+        result = run_agent(task, router, agent, execution_id, step=step, sample=sample, seed=seed)
+    finally:
+        router.close()
+    result.worker = get_worker().address
+    return result
+
+
+def make_tree(result: ExecutionResult) -> TrajectoryTree:
+    """The execution's calls merged into a prefix-sharing tree."""
+    return build_tree(result)
+
+
+def group_advantages(trees: list[TrajectoryTree], estimator: str) -> dict:
+    """Advantages of one group (the executions of one task) and its trainable paths."""
+    rewards = np.array([t.reward for t in trees], dtype=np.float64)  # (G,)
+    adv = ADVANTAGES.get(estimator)(rewards)  # (G,)
+    samples = [
+        PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, float(a))
+        for t, a in zip(trees, adv)
+        for p in t.paths()
+    ]
+    return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}
+
+
+def train_step(step: int, groups: list[dict], loss: str, loss_kwargs: dict, previous: dict | None = None) -> dict:
+    """One policy update on the step's groups; returns the new weights version. Runs on the
+    trainer cell; ``previous`` (the last step's result) only orders the steps."""
+    trainer = get_worker().plugins[TRAINER_PLUGIN].require()
+    samples = [s for g in groups for s in g["samples"] if s.trained.any()]
+    t0 = time.time()
+    metrics = trainer.rl_step(samples, loss, **loss_kwargs)
+    metrics["train_s"] = time.time() - t0
+    metrics["step"] = step
+    return {"hf_config": trainer.model.config.to_dict(), "weights": trainer.weights(),
+            "version": trainer.version, "metrics": metrics}
+
+
+def save_checkpoint(published: dict, path: str) -> str:
+    """Write a published weights version as a Hugging Face checkpoint directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gyreflow.model.policy import load_state_dict_numpy
+
+    model = LlamaForCausalLM(LlamaConfig(**published["hf_config"]))
+    load_state_dict_numpy(model, published["weights"])
+    save_policy(model, path)
+    return path

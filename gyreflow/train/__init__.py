@@ -1,0 +1,1 @@
+"""Training: tree packing, the trainer, the SFT warm start and weight publication."""

@@ -1,0 +1,173 @@
+"""GRPO on the vault tasks: an SFT warm start, then RL steps whose every stage is a Dask future.
+
+    execution-<step>-<task>-<sample>   execution slots   the native agent; calls routed to engines
+    tree-<execution>                   execution slots   calls merged into a prefix-sharing tree
+    advantages-<step>-<task>           execution slots   group-relative advantages of one task
+    train-<step>                       trainer cell      one PPO-clip update -> weights version
+    publish-v<version>-<cell>          rollout cells     the engine installs the new weights
+    eval-v<version>-<i>                execution slots   held-out executions at that version
+    archive-<execution>                execution slots   the execution's calls into the zarr archive
+
+Rollouts of step k start once the update of step k-1-staleness is published, so every trained
+token is at most ``rl.staleness`` versions old.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from distributed import Client, Future, wait
+
+from gyreflow.agents.tasks import make_tasks
+from gyreflow.cluster.local import check_pools, install
+from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER
+from gyreflow.config import RunConfig
+from gyreflow.report import Report
+from gyreflow.stages import (
+    group_advantages,
+    make_tree,
+    publish_weights,
+    run_execution,
+    save_checkpoint,
+    sft_warm_start,
+    train_step,
+)
+from gyreflow.storage import commit_step, create_archive, write_execution
+
+SLOT = {EXECUTION: 1}
+
+
+@dataclass
+class StepInFlight:
+    step: int
+    executions: list[Future]
+    writes: list[Future]
+    train: Future
+    started: float
+
+
+def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Path | None = None) -> dict:
+    run_dir = Path(run_dir)
+    pools = check_pools(client)
+    install(client, cfg.cluster.torch_threads, engine_options(cfg))
+    archive = run_dir / "archive.zarr"
+    create_archive(archive, run_meta={"config": cfg.to_json(), "pipeline": "grpo"})
+    report = Report(run_dir, archive=str(archive), checkpoint=str(run_dir / "checkpoints" / "final"),
+                    config=cfg.to_json(), heldout_tasks=cfg.task.heldout_tasks, heldout_temperature=cfg.agent.temperature)
+    t_run = time.time()
+    heldout = make_tasks("heldout", cfg.task.heldout_tasks, cfg.task.horizon, cfg.task.spare_calls)
+
+    # 1. SFT warm start on the trainer cell; its weights become version 0 on every engine.
+    log("SFT warm start on synthetic demonstrations ...")
+    weights = client.submit(sft_warm_start, cfg, str(run_dir / "checkpoints" / "sft"),
+                            str(cache_dir) if cache_dir else None, key="sft-warmstart", resources={TRAINER: 1})
+    publish(client, weights, pools[ROLLOUT], version=0)
+    sft = weights.result()["metrics"]
+    initial = evaluate(client, heldout, cfg, version=0)
+    report.set(initial_heldout_pass_rate=initial["pass_rate"], initial_heldout_mean_reward=initial["mean_reward"], sft=sft)
+    log(f"SFT policy: held-out pass rate {initial['pass_rate']:.3f} (mean reward {initial['mean_reward']:.3f})")
+
+    # 2. RL steps, overlapped up to the staleness bound.
+    in_flight: deque[StepInFlight] = deque()
+    previous: Future | None = None
+    last_finish = time.time()
+    for step in range(cfg.rl.steps):
+        while in_flight and in_flight[0].step <= step - cfg.rl.staleness - 1:
+            last_finish = finish(client, in_flight.popleft(), cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run)
+        in_flight.append(launch(client, step, cfg, archive, previous))
+        previous = in_flight[-1].train
+    while in_flight:
+        last_finish = finish(client, in_flight.popleft(), cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run)
+    save_checkpoint(previous.result(), str(run_dir / "checkpoints" / "final"))
+    report.set(total_wall_s=time.time() - t_run, completed=True)
+    return report.data
+
+
+def engine_options(cfg: RunConfig) -> dict:
+    ctx = cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call + 64
+    return {"max_batch": cfg.cluster.engine_max_batch, "max_seq_len": ctx,
+            "retain_slots": 2 * cfg.cluster.engine_max_batch}
+
+
+def launch(client: Client, step: int, cfg: RunConfig, archive: Path, previous: Future | None) -> StepInFlight:
+    """Submit one step's executions, trees, advantages, archive writes and update."""
+    tasks = make_tasks("train", cfg.rl.tasks_per_step, cfg.task.horizon, cfg.task.spare_calls,
+                       start=step * cfg.rl.tasks_per_step)
+    executions, writes, groups = [], [], []
+    for task in tasks:
+        group = []
+        for sample in range(cfg.rl.samples_per_task):
+            eid = f"execution-{step}-{task.task_id}-{sample}"
+            ex = client.submit(run_execution, task, cfg.agent, eid, step, sample, cfg.rl.seed, key=eid, resources=SLOT)
+            executions.append(ex)
+            writes.append(client.submit(write_execution, str(archive), ex, key=f"archive-{eid}", resources=SLOT))
+            group.append(client.submit(make_tree, ex, key=f"tree-{eid}", resources=SLOT))
+        groups.append(client.submit(group_advantages, group, cfg.rl.advantage, key=f"advantages-{step}-{task.task_id}",
+                                    resources=SLOT))
+    loss_kwargs = {"clip_eps": cfg.rl.clip_eps} if cfg.rl.loss == "ppo_clip" else {}
+    train = client.submit(train_step, step, groups, cfg.rl.loss, loss_kwargs, previous, key=f"train-{step}",
+                          resources={TRAINER: 1})
+    return StepInFlight(step, executions, writes, train, time.time())
+
+
+def publish(client: Client, weights: Future, engines: list[str], version: int) -> None:
+    """Install a weights version on every rollout cell and wait until all have it."""
+    done = [
+        client.submit(publish_weights, weights, key=f"publish-v{version}-{addr.split('//')[-1]}", workers=[addr],
+                      resources={ROLLOUT: 1}, allow_other_workers=False)
+        for addr in engines
+    ]
+    wait(done)
+    for f in done:
+        f.result()
+
+
+def evaluate(client: Client, heldout, cfg: RunConfig, version: int) -> dict:
+    """Pass rate and mean reward of the policy now on the engines, on the held-out tasks."""
+    futures = [
+        client.submit(run_execution, task, cfg.agent, f"eval-v{version}-{i}", -1, 0, cfg.rl.seed,
+                      key=f"eval-v{version}-{i}", resources=SLOT)
+        for i, task in enumerate(heldout)
+    ]
+    results = client.gather(futures)
+    return {"pass_rate": float(np.mean([r.passed for r in results])),
+            "mean_reward": float(np.mean([r.reward for r in results])),
+            "versions": sorted({int(v) for r in results for c in r.calls for v in np.unique(c.versions)})}
+
+
+def finish(client, sf: StepInFlight, cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run) -> float:
+    """Publish the step's update, evaluate it, commit the step to the archive and the report."""
+    trained = sf.train.result()
+    version = trained["version"]
+    publish(client, sf.train, pools[ROLLOUT], version)
+    ev = evaluate(client, heldout, cfg, version)
+    results = client.gather(sf.executions)
+    wait(sf.writes)
+    summaries = client.gather(sf.writes)
+    tokens = int(sum(r.tokens_generated for r in results))
+    summary = {"version": version, "heldout_pass_rate": ev["pass_rate"],
+               "mean_reward": float(np.mean([r.reward for r in results])), "tokens_generated": tokens}
+    commit_step(str(archive), sf.step, summary, expected=[s["execution_id"] for s in summaries])
+    now = time.time()
+    m = trained["metrics"]
+    entry = {
+        "step": sf.step,
+        "version": version,
+        "heldout_pass_rate": ev["pass_rate"],
+        "heldout_mean_reward": ev["mean_reward"],
+        "mean_reward": summary["mean_reward"],
+        "train_pass_rate": float(np.mean([r.passed for r in results])),
+        "tokens_generated": tokens,
+        "wall_s": now - last_finish,
+        "elapsed_s": now - t_run,
+        "max_staleness": m.get("max_staleness", 0),
+        "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "grad_norm", "clip_frac", "approx_kl", "train_s") if k in m},
+    }
+    report.add_step(entry)
+    log(f"step {sf.step}: held-out pass {ev['pass_rate']:.3f}  train reward {entry['mean_reward']:.3f}  "
+        f"tokens {tokens}  staleness {entry['max_staleness']}  {entry['wall_s']:.1f}s")
+    return now
