@@ -280,6 +280,10 @@ def forward(
 ) -> torch.Tensor:
     """Run new tokens of a batch of cache slots through the model; return next-token logits.
 
+    Real tokens are packed into one (N, D) stream for the embedding, norms and matmuls, so right
+    padding costs nothing there; only attention sees the padded (B, T) grid, through one fused
+    ``scaled_dot_product_attention`` per layer.
+
     Parameters
     ----------
     w, spec, cache, rope
@@ -311,67 +315,70 @@ def forward(
         t_keys = int(starts.max().item()) + T if n_new is None else int((starts + n_new).max().item())
     cache.ensure(t_keys)
 
-    # Which new tokens are written, and where: padding never touches the cache.
     if isinstance(slots, slice):
         slot_ids = torch.arange(slots.start, slots.stop, device=dev)  # (B,)
     else:
         slot_ids = slots
-    if n_new is None:
-        valid = None
-        w_slot = slot_ids[:, None].expand(B, T).reshape(-1)  # (B T,)
-        w_pos = qpos.reshape(-1)
+    # Packed stream: flat[i] is the (row * T + column) of real token i, rows in order.
+    packed = n_new is not None and T > 1
+    if packed:
+        flat = (t_idx[None, :] < n_new[:, None]).view(-1).nonzero().squeeze(1)  # (N,)
+        tok_pos = qpos.reshape(-1)[flat]  # (N,)
+        w_slot = slot_ids[:, None].expand(B, T).reshape(-1)[flat]  # (N,)
+        h = w.embed[tokens.reshape(-1)[flat]]  # (N, D)
     else:
-        valid = t_idx[None, :] < n_new[:, None]  # (B, T)
-        w_slot = slot_ids[:, None].expand(B, T)[valid]  # (N,)
-        w_pos = qpos[valid]
+        flat = None
+        tok_pos = qpos.reshape(-1)  # (B T,)
+        w_slot = slot_ids[:, None].expand(B, T).reshape(-1)
+        h = w.embed[tokens.reshape(-1)]  # (B T, D)
+    n_tok = h.shape[0]
 
     cos_t, sin_t = rope
-    cos = cos_t[qpos].unsqueeze(2)  # (B, T, 1, Dh)
-    sin = sin_t[qpos].unsqueeze(2)
+    cos = cos_t[tok_pos].unsqueeze(1)  # (N, 1, Dh)
+    sin = sin_t[tok_pos].unsqueeze(1)
+    # Additive mask, shared by all layers: key j is visible to the query at position p iff j <= p
+    # (causal and length mask in one). Query rows are laid out (G, T) per kv head, see below.
     key_pos = torch.arange(t_keys, device=dev)
-    # Causal and length mask in one: key j is visible to query at position p iff j <= p.
-    masked = (key_pos[None, None, :] > qpos[:, :, None]).view(B, 1, 1, T, t_keys)  # (B, 1, 1, T, Tk)
-    scale = dh**-0.5
+    bias = torch.zeros((B, 1, T, t_keys), device=dev, dtype=w.embed.dtype)
+    bias.masked_fill_((key_pos[None, None, :] > qpos[:, :, None]).view(B, 1, T, t_keys), float("-inf"))  # (B, 1, T, Tk)
+    if g > 1:
+        bias = bias.unsqueeze(2).expand(B, 1, g, T, t_keys).reshape(B, 1, g * T, t_keys)  # (B, 1, G T, Tk)
 
-    h = w.embed[tokens]  # (B, T, D)
     for li, lw in enumerate(w.layers):
         x = rms_norm(h, lw.attn_norm, spec.rms_norm_eps)
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (B, T, (Hq + 2 Hkv) Dh)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # (N, (Hq + 2 Hkv) Dh)
         qk, v = qkv.split([(hq + hkv) * dh, hkv * dh], dim=-1)
         # Queries and keys rotate by the same angles: one rotation for both.
-        qk = apply_rope(qk.view(B, T, hq + hkv, dh), cos, sin)  # (B, T, Hq + Hkv, Dh)
-        q, k = qk[:, :, :hq], qk[:, :, hq:]  # (B, T, Hq, Dh), (B, T, Hkv, Dh)
-        v = v.view(B, T, hkv, dh)
+        qk = apply_rope(qk.view(n_tok, hq + hkv, dh), cos, sin)  # (N, Hq + Hkv, Dh)
+        q, k = qk[:, :hq], qk[:, hq:]  # (N, Hq, Dh), (N, Hkv, Dh)
         ck, cv = cache.k[li], cache.v[li]  # (S, Hkv, M, Dh)
-        if valid is None:
-            ck[w_slot, :, w_pos] = k.reshape(B * T, hkv, dh)
-            cv[w_slot, :, w_pos] = v.reshape(B * T, hkv, dh)
-        else:
-            ck[w_slot, :, w_pos] = k[valid]  # (N, Hkv, Dh)
-            cv[w_slot, :, w_pos] = v[valid]
+        ck[w_slot, :, tok_pos] = k
+        cv[w_slot, :, tok_pos] = v.view(n_tok, hkv, dh)
         if isinstance(slots, slice):
             keys = ck[slots, :, :t_keys]  # (B, Hkv, Tk, Dh), a view
             vals = cv[slots, :, :t_keys]
         else:
             keys = ck[:, :, :t_keys].index_select(0, slots)
             vals = cv[:, :, :t_keys].index_select(0, slots)
+        if packed:
+            q = q.new_zeros((B * T, hq, dh)).index_copy_(0, flat, q)  # (B T, Hq, Dh), padding zero
         # Query head h reads kv head h // g, as Hugging Face's repeat_kv lays them out.
-        qg = q.permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).view(B, hkv, g, T, t_keys)  # (B, Hkv, G, T, Tk)
-        scores = (scores.float() * scale).masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vals.dtype).view(B, hkv, g * T, t_keys)
-        attn = torch.matmul(probs, vals)  # (B, Hkv, G T, Dh)
-        attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B, T, hq * dh)  # (B, T, Hq Dh)
+        qg = q.view(B, T, hq, dh).permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
+        attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)  # (B, Hkv, G T, Dh)
+        attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B * T, hq * dh)  # (B T, Hq Dh)
+        if packed:
+            attn = attn[flat]  # (N, Hq Dh)
         h = h + F.linear(attn, lw.o, lw.o_bias)
         x = rms_norm(h, lw.mlp_norm, spec.rms_norm_eps)
-        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # (B, T, I) each
+        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # (N, I) each
         h = h + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
 
-    if T == 1:
-        last = h[:, 0]  # (B, D)
+    if packed:
+        last = h[torch.cumsum(n_new, 0) - 1]  # (B, D): each row's last real token
+    elif T == 1:
+        last = h  # (B, D)
     else:
-        last_idx = (n_new - 1) if n_new is not None else torch.full((B,), T - 1, device=dev)
-        last = h[torch.arange(B, device=dev), last_idx]  # (B, D)
+        last = h.view(B, T, -1)[:, T - 1]  # (B, D)
     return F.linear(rms_norm(last, w.norm, spec.rms_norm_eps), w.lm_head).float()  # (B, V)
 
 
