@@ -161,3 +161,7 @@ def inspect(run_dir) -> None:
             console.print(f"archive step {step}: {len(reader.executions(step))} executions")
     elif not report.is_file():
         raise click.UsageError(f"{run_dir} is not a gyreflow run directory (no report.json, no archive.zarr)")
+
+
+if __name__ == "__main__":
+    main()

@@ -27,9 +27,9 @@ class ConfigError(ValueError):
 class TaskConfig:
     """The vault task suite."""
 
-    horizon: int = 5
+    horizon: int = 4
     """Rooms per task (each costs at least two tool calls)."""
-    spare_calls: int = 3
+    spare_calls: int = 4
     """Tool calls allowed beyond the two per room a perfect agent needs."""
     heldout_tasks: int = 200
     """Held-out tasks evaluated after SFT and after every step."""
@@ -41,7 +41,7 @@ class SFTConfig:
 
     demos: int = 3000
     """Demonstrations generated (one per training task)."""
-    steps: int = 700
+    steps: int = 600
     """Optimizer steps."""
     batch_size: int = 8
     """Sequences per step."""

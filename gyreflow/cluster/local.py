@@ -67,6 +67,6 @@ def check_pools(client: Client) -> dict[str, list[str]]:
 
 def install(client: Client, torch_threads: int | None, engine_options: dict) -> None:
     """Register gyreflow's scheduler and worker plugins (idempotent by plugin name)."""
-    client.register_plugin(PoolsPlugin())
-    client.register_plugin(EngineService(engine_options, torch_threads))
-    client.register_plugin(TrainerService(torch_threads))
+    client.register_plugin(PoolsPlugin(), idempotent=True)
+    client.register_plugin(EngineService(engine_options, torch_threads), idempotent=True)
+    client.register_plugin(TrainerService(torch_threads), idempotent=True)

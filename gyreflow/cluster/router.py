@@ -22,21 +22,26 @@ class Router:
         self.session = session
         self.attempts = attempts
         self.worker = get_worker()
+        self.engine: str | None = None
+        """The session's engine; asked of the scheduler once, and again only when it fails."""
 
     async def _generate(self, msg: dict) -> dict:
         last = None
         for _ in range(self.attempts):
-            route = await self.worker.scheduler.gyreflow_route(session=self.session)
-            if "error" in route:
-                raise RouteError(route["error"])
+            if self.engine is None:
+                route = await self.worker.scheduler.gyreflow_route(session=self.session)
+                if "error" in route:
+                    raise RouteError(route["error"])
+                self.engine = route["engine"]
             try:
-                out = await self.worker.rpc(route["engine"]).gyreflow_generate(request=msg)
+                out = await self.worker.rpc(self.engine).gyreflow_generate(request=msg)
             except OSError as err:  # the engine's worker went away: route again
                 last = err
                 await self.worker.scheduler.gyreflow_release(session=self.session)
+                self.engine = None
                 continue
             if "error" in out:
-                raise RouteError(f"engine {route['engine']}: {out['error']}")
+                raise RouteError(f"engine {self.engine}: {out['error']}")
             return out
         raise RouteError(f"no engine answered after {self.attempts} attempts: {last}")
 

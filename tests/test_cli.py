@@ -1,0 +1,105 @@
+"""The command line on bad input and on Ctrl-C: clear errors, non-zero exits, nothing half-written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import zarr
+
+GYREFLOW = [sys.executable, "-m", "gyreflow.cli"]
+
+
+def run_cli(*args, cwd=None, timeout=120):
+    return subprocess.run([*GYREFLOW, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def test_invalid_config_names_field_and_allowed_values(tmp_path):
+    out = tmp_path / "run"
+    p = run_cli("run", "--out", str(out), "--set", "rl.loss=dpo")
+    assert p.returncode == 2
+    assert "rl.loss" in p.stderr and "ppo_clip" in p.stderr and "reinforce" in p.stderr
+    assert not out.exists()
+    p = run_cli("run", "--out", str(out), "--set", "task.horizon=zero")
+    assert p.returncode == 2 and "task.horizon must be an integer" in p.stderr
+    p = run_cli("run", "--out", str(out), "--set", "rl.bogus=1")
+    assert p.returncode == 2 and "unknown field rl.bogus" in p.stderr and "staleness" in p.stderr
+    assert not out.exists()
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "cfg.json"
+    bad.write_text("{not json")
+    p = run_cli("run", "--out", str(tmp_path / "run"), "--config", str(bad))
+    assert p.returncode == 2 and "not valid JSON" in p.stderr
+    bad.write_text(json.dumps({"rl": {"samples_per_task": 1}}))
+    p = run_cli("run", "--out", str(tmp_path / "run"), "--config", str(bad))
+    assert p.returncode == 2 and "rl.samples_per_task must be >= 2" in p.stderr
+    p = run_cli("run", "--out", str(tmp_path / "run"), "--config", str(tmp_path / "missing.json"))
+    assert p.returncode == 2 and "does not exist" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_pipeline_lists_available(tmp_path):
+    p = run_cli("run", "--pipeline", "nope", "--out", str(tmp_path / "run"))
+    assert p.returncode == 2 and "unknown pipeline 'nope'" in p.stderr and "grpo" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_scheduler_that_does_not_answer(tmp_path):
+    p = run_cli("run", "--scheduler", "tcp://127.0.0.1:9", "--out", str(tmp_path / "run"))
+    assert p.returncode != 0
+    assert "no Dask scheduler answered at tcp://127.0.0.1:9" in (p.stdout + p.stderr)
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_directory_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    p = run_cli("run", "--out", str(out))
+    assert p.returncode == 2 and "already exists" in p.stderr
+    assert (out / "report.json").read_text() == "{}"
+
+
+def test_inspect_missing_run_directory(tmp_path):
+    p = run_cli("inspect", str(tmp_path / "nope"))
+    assert p.returncode == 2 and "does not exist" in p.stderr
+
+
+def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
+    out = tmp_path / "run"
+    args = [a for o in tiny_overrides + ["rl.steps=50", "rl.staleness=0"] for a in ("--set", o)]
+    proc = subprocess.Popen([*GYREFLOW, "run", "--out", str(out), "--sft-cache", "", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    report = out / "report.json"
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            if report.is_file() and len(json.loads(report.read_text())["steps"]) >= 2:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        else:
+            raise AssertionError("no committed step within the time limit")
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    data = json.loads(report.read_text())
+    assert data["interrupted"] is True
+    root = zarr.open_group(str(out / "archive.zarr"), mode="r")
+    committed = list(root.attrs["committed_steps"])
+    assert committed[:2] == [0, 1]
+    # Every committed step is whole: each listed execution group is complete and has its arrays.
+    for step in committed:
+        group = root[f"steps/{step:06d}"]
+        for eid in group.attrs["executions"]:
+            ex = group[f"executions/{eid}"]
+            assert ex.attrs["complete"] is True
+            assert ex["completion_offsets"].shape[0] == ex.attrs["n_calls"] + 1
