@@ -178,15 +178,18 @@ def _coerce(name: str, typ, value):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{name} must be true or false, got {value!r}")
     if typ in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{name} must be a number, got {value!r}")
+        kind = "an integer" if typ is int else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{name} must be {kind}, got {value!r}")
         try:
-            out = typ(value) if not isinstance(value, str) else typ(float(value)) if typ is int and "." not in value and "e" in value.lower() else typ(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} must be {'an integer' if typ is int else 'a number'}, got {value!r}") from None
-        if typ is int and isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
-        return out
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be {kind}, got {value!r}") from None
+        if typ is int:
+            if not number.is_integer():
+                raise ConfigError(f"{name} must be {kind}, got {value!r}")
+            return int(number)
+        return number
     if typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string, got {value!r}")

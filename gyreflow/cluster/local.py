@@ -65,8 +65,14 @@ def check_pools(client: Client) -> dict[str, list[str]]:
     return pools
 
 
+def _registered(dask_scheduler=None) -> list[str]:
+    return [*dask_scheduler.plugins, *dask_scheduler.worker_plugins]
+
+
 def install(client: Client, torch_threads: int | None, engine_options: dict) -> None:
-    """Register gyreflow's scheduler and worker plugins (idempotent by plugin name)."""
-    client.register_plugin(PoolsPlugin(), idempotent=True)
-    client.register_plugin(EngineService(engine_options, torch_threads), idempotent=True)
-    client.register_plugin(TrainerService(torch_threads), idempotent=True)
+    """Register gyreflow's scheduler and worker plugins, unless the cluster already has them (a
+    second pipeline on the same cluster keeps the engines and trainer cells it finds)."""
+    present = set(client.run_on_scheduler(_registered))
+    for plugin in (PoolsPlugin(), EngineService(engine_options, torch_threads), TrainerService(torch_threads)):
+        if plugin.name not in present:
+            client.register_plugin(plugin)

@@ -433,7 +433,7 @@ class TorchEngine:
                     self.spec,
                     self._cache,
                     self._rope,
-                    torch.tensor([slot_of[id(r)] for r in pending], device=self.device),  # (B,)
+                    self._slots_arg([slot_of[id(r)] for r in pending]),
                     torch.tensor(toks, device=self.device),  # (B, T)
                     torch.tensor([r.n_cached for r in pending], device=self.device),  # (B,)
                     torch.tensor(n_new, device=self.device),  # (B,)
@@ -455,8 +455,23 @@ class TorchEngine:
             self._retire(finished)
         return produced
 
+    def _slots_arg(self, slots: list[int]) -> slice | torch.Tensor:
+        """Cache slots for :func:`forward`: a slice when they are consecutive, else an index tensor.
+
+        Admitted requests take consecutive slots, so a prefill batch in slot order usually reads
+        its keys through a view instead of gathering them.
+        """
+        lo = slots[0]
+        if slots == list(range(lo, lo + len(slots))):
+            return slice(lo, lo + len(slots))
+        return torch.tensor(slots, device=self.device)  # (B,)
+
     def _prefill_groups(self, rows: list[_Request]) -> list[list[_Request]]:
-        """Split ``rows`` into batches whose padded size fits ``prefill_batch_tokens``."""
+        """Split ``rows`` into batches whose padded size fits ``prefill_batch_tokens``.
+
+        Rows are grouped by length (less padding), then each group is put back in slot order.
+        """
+        slot_of = {id(r): i for i, r in enumerate(self._rows)}
         groups: list[list[_Request]] = []
         group: list[_Request] = []
         width = 0
@@ -469,7 +484,7 @@ class TorchEngine:
             width = max(width, w)
         if group:
             groups.append(group)
-        return groups
+        return [sorted(g, key=lambda r: slot_of[id(r)]) for g in groups]
 
     def _decode(self) -> int:
         """One token for every live request, in one forward over slots ``0 .. n-1``."""

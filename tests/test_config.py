@@ -1,0 +1,44 @@
+"""Configuration: defaults, files, overrides and one-line errors that name the field."""
+
+import json
+
+import pytest
+
+from gyreflow.config import ConfigError, RunConfig, load_config
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert cfg.rl.advantage == "grpo" and cfg.rl.loss == "ppo_clip"
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"rl": {"steps": 3, "staleness": 0}, "task": {"horizon": 9}}))
+    cfg = load_config(path, ["rl.steps=5", "sft.noise.p_skip_read=0.5", "rl.advantage=rloo"])
+    assert (cfg.rl.steps, cfg.rl.staleness, cfg.task.horizon) == (5, 0, 9)
+    assert cfg.sft.noise.p_skip_read == 0.5 and cfg.rl.advantage == "rloo"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rl.advantage=ppo", "rl.advantage: unknown 'ppo'; allowed: dr_grpo, grpo, rloo"),
+        ("rl.loss=dpo", "rl.loss: unknown 'dpo'; allowed: ppo_clip, reinforce"),
+        ("rl.steps=0", "rl.steps must be > 0"),
+        ("rl.steps=1.5", "rl.steps must be an integer"),
+        ("rl.staleness=-1", "rl.staleness must be >= 0"),
+        ("agent.top_p=1.5", "agent.top_p must be in (0, 1]"),
+        ("cluster.trainer_workers=2", "cluster.trainer_workers must be 1"),
+        ("model.num_heads=3", "model.hidden_size (128) must be a multiple of model.num_heads (3)"),
+        ("model.colour=blue", "unknown field model.colour; allowed:"),
+        ("rl=3", "rl must be a table of fields"),
+        ("steps", "override 'steps' must look like section.field=value"),
+    ],
+)
+def test_bad_values_get_one_line_errors(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
