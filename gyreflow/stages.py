@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -61,7 +62,7 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None) -> di
         rng = np.random.default_rng(cfg.rl.seed)
         threads = torch.get_num_threads()
         # Nothing else runs during the warm start, so it may use every core of the cell.
-        torch.set_num_threads(max(threads, torch.get_num_interop_threads(), 1))
+        torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
         try:
             for k in range(cfg.sft.steps):
                 for g in trainer.optimizer.param_groups:
