@@ -403,6 +403,34 @@ class TestTorchEngine(EngineTests):
         for a, b in zip(alone, generate(engine, mixed_requests())):
             assert_same(a, b)
 
+    def test_batched_prefill_of_sessions_with_different_cached_prefixes(self, model):
+        # Four sessions with different histories come back together: one prefill batch whose rows
+        # reuse cached prefixes of different lengths and feed different numbers of new tokens.
+        engine = self.make_engine(model, retain_slots=4)
+        firsts = generate(engine, [req(f"s{i}a", 5 + 9 * i, 40 + i, session=f"s{i}", max_tokens=3 + i) for i in range(4)])
+        follows = []
+        for i, r in enumerate(firsts):
+            ids = np.concatenate([r.prompt_ids, r.completion_ids, prompt(2 + 11 * i, 50 + i)]).astype(np.int32)
+            follows.append(req(f"s{i}b", 0, 60 + i, session=f"s{i}", ids=ids, temperature=0.9, max_tokens=6))
+        before = engine.stats()["iterations"]
+        together = generate(engine, follows)
+        reused = [r.prefix_reused for r in together]
+        assert len(set(reused)) == 4 and min(reused) > 0
+        assert engine.stats()["iterations"] - before <= 7  # admitted and prefilled in one iteration
+        for f, r in zip(follows, together):
+            fresh = GenerationRequest(f.request_id, f.prompt_ids, f.params)  # no session: no reuse
+            assert_same(generate(self.make_engine(model), [fresh])[0], r)
+
+    def test_prefill_groups_of_scattered_slots(self, model):
+        # Grouping by length splits consecutive slots, so groups read keys by slot index.
+        requests = [req(f"g{i}", n, 70 + i, max_tokens=5) for i, n in enumerate([5, 30, 6, 31])]
+        alone = [generate(self.make_engine(model), [r])[0] for r in requests]
+        engine = self.make_engine(model, prefill_batch_tokens=64)
+        assert engine._slots_arg([1, 2, 3]) == slice(1, 4)
+        assert engine._slots_arg([0, 2]).tolist() == [0, 2]
+        for a, b in zip(alone, generate(engine, requests)):
+            assert_same(a, b)
+
     def test_stale_sessions_are_dropped(self, model, model_b):
         engine = self.make_engine(model, retain_slots=1)
         r1 = generate(engine, [req("a1", 10, 30, session="a", max_tokens=4)])[0]
