@@ -6,7 +6,10 @@
     train-<step>                       trainer cell      one PPO-clip update -> weights version
     publish-v<version>-<cell>          rollout cells     the engine installs the new weights
     eval-v<version>-<i>                execution slots   held-out executions at that version
-    archive-<execution>                execution slots   the execution's calls into the zarr archive
+    archive-<execution>                execution slots   an execution's calls into the zarr archive
+
+A step is committed to the archive (training executions, and the held-out executions of the
+version it produced) only when all of its writes are done.
 
 Rollouts of step k start once the update of step k-1-staleness is published, so every trained
 token is at most ``rl.staleness`` versions old.
@@ -67,7 +70,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
                             str(cache_dir) if cache_dir else None, key="sft-warmstart", resources={TRAINER: 1})
     publish(client, weights, pools[ROLLOUT], version=0)
     sft = weights.result()["metrics"]
-    initial = evaluate(client, heldout, cfg, version=0)
+    initial, initial_writes = evaluate(client, heldout, cfg, version=0, archive=archive, step=0)
     report.set(initial_heldout_pass_rate=initial["pass_rate"], initial_heldout_mean_reward=initial["mean_reward"], sft=sft)
     log(f"SFT policy: held-out pass rate {initial['pass_rate']:.3f} (mean reward {initial['mean_reward']:.3f})")
 
@@ -79,6 +82,8 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
         while in_flight and in_flight[0].step <= step - cfg.rl.staleness - 1:
             last_finish = finish(client, in_flight.popleft(), cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run)
         in_flight.append(launch(client, step, cfg, archive, previous))
+        if step == 0:  # the SFT policy's held-out executions are archived with step 0
+            in_flight[0].writes.extend(initial_writes)
         previous = in_flight[-1].train
     while in_flight:
         last_finish = finish(client, in_flight.popleft(), cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run)
@@ -126,17 +131,18 @@ def publish(client: Client, weights: Future, engines: list[str], version: int) -
         f.result()
 
 
-def evaluate(client: Client, heldout, cfg: RunConfig, version: int) -> dict:
-    """Pass rate and mean reward of the policy now on the engines, on the held-out tasks."""
-    futures = [
-        client.submit(run_execution, task, cfg.agent, f"eval-v{version}-{i}", -1, 0, cfg.rl.seed,
-                      key=f"eval-v{version}-{i}", resources=SLOT)
-        for i, task in enumerate(heldout)
-    ]
+def evaluate(client: Client, heldout, cfg: RunConfig, version: int, archive: Path, step: int) -> tuple[dict, list[Future]]:
+    """Pass rate and mean reward of the policy now on the engines, on the held-out tasks; and the
+    writes of those executions (split ``heldout``) into the archive's ``step``."""
+    futures, writes = [], []
+    for i, task in enumerate(heldout):
+        eid = f"eval-v{version}-{i}"
+        futures.append(client.submit(run_execution, task, cfg.agent, eid, step, 0, cfg.rl.seed, key=eid, resources=SLOT))
+        writes.append(client.submit(write_execution, str(archive), futures[-1], key=f"archive-{eid}", resources=SLOT))
     results = client.gather(futures)
-    return {"pass_rate": float(np.mean([r.passed for r in results])),
-            "mean_reward": float(np.mean([r.reward for r in results])),
-            "versions": sorted({int(v) for r in results for c in r.calls for v in np.unique(c.versions)})}
+    summary = {"pass_rate": float(np.mean([r.passed for r in results])),
+               "mean_reward": float(np.mean([r.reward for r in results]))}
+    return summary, writes
 
 
 def finish(client, sf: StepInFlight, cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run) -> float:
@@ -144,10 +150,9 @@ def finish(client, sf: StepInFlight, cfg, pools, heldout, archive, report, run_d
     trained = sf.train.result()
     version = trained["version"]
     publish(client, sf.train, pools[ROLLOUT], version)
-    ev = evaluate(client, heldout, cfg, version)
+    ev, eval_writes = evaluate(client, heldout, cfg, version, archive, sf.step)
     results = client.gather(sf.executions)
-    wait(sf.writes)
-    summaries = client.gather(sf.writes)
+    summaries = client.gather(sf.writes + eval_writes)
     tokens = int(sum(r.tokens_generated for r in results))
     summary = {"version": version, "heldout_pass_rate": ev["pass_rate"],
                "mean_reward": float(np.mean([r.reward for r in results])), "tokens_generated": tokens}
@@ -168,6 +173,6 @@ def finish(client, sf: StepInFlight, cfg, pools, heldout, archive, report, run_d
         "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "grad_norm", "clip_frac", "approx_kl", "train_s") if k in m},
     }
     report.add_step(entry)
-    log(f"step {sf.step}: held-out pass {ev['pass_rate']:.3f}  train reward {entry['mean_reward']:.3f}  "
+    log(f"step {sf.step + 1}/{cfg.rl.steps}: held-out pass {ev['pass_rate']:.3f}  train reward {entry['mean_reward']:.3f}  "
         f"tokens {tokens}  staleness {entry['max_staleness']}  {entry['wall_s']:.1f}s")
     return now

@@ -49,8 +49,14 @@ def test_two_steps_run_each_stage_only_on_its_pool(cluster, tmp_path, tiny_overr
     n_train = cfg.rl.tasks_per_step * cfg.rl.samples_per_task
     for step in (0, 1):
         ids = reader.executions(step)
-        assert len(ids) == n_train
-        for eid in ids:
+        train_ids = [i for i in ids if i.startswith("execution-")]
+        eval_ids = [i for i in ids if i.startswith("eval-")]
+        assert len(train_ids) == n_train
+        # Held-out executions of the version the step produced (and, in step 0, of the SFT policy).
+        assert len(eval_ids) == cfg.task.heldout_tasks * (2 if step == 0 else 1)
+        for eid in eval_ids:
+            assert reader.load_execution(step, eid).split == "heldout"
+        for eid in train_ids:
             ex = reader.load_execution(step, eid)
             assert ex.worker in exec_pool
             assert ex.calls and all(c.engine in rollout for c in ex.calls)
@@ -73,5 +79,7 @@ def test_on_policy_staleness_zero(cluster, tmp_path, tiny_overrides):
     # On-policy: every token of step k's executions was sampled by weights version k.
     for step in reader.committed_steps:
         for eid in reader.executions(step):
+            if not eid.startswith("execution-"):
+                continue
             ex = reader.load_execution(step, eid)
             assert np.all(np.concatenate([c.versions for c in ex.calls]) == step)
