@@ -55,7 +55,7 @@ class SFTConfig:
 class RLConfig:
     """The reinforcement-learning loop."""
 
-    steps: int = 12
+    steps: int = 18
     """Policy updates."""
     tasks_per_step: int = 16
     """Training tasks per step (a group each)."""
