@@ -55,9 +55,9 @@ class SFTConfig:
 class RLConfig:
     """The reinforcement-learning loop."""
 
-    steps: int = 18
+    steps: int = 16
     """Policy updates."""
-    tasks_per_step: int = 16
+    tasks_per_step: int = 24
     """Training tasks per step (a group each)."""
     samples_per_task: int = 8
     """Executions per task: the group size of the advantage estimator."""
