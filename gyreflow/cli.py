@@ -107,6 +107,8 @@ def run(pipeline_name, config_path, overrides, out, scheduler, sft_cache) -> Non
         console.print(f"held-out pass rate: {report['initial_heldout_pass_rate']:.3f} -> "
                       f"{last.get('heldout_pass_rate', float('nan')):.3f}; report: {run_dir / 'report.json'}")
     except KeyboardInterrupt:
+        # The interrupted gather's task ends with the cancelled futures; that is expected here.
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         console.print("[yellow]interrupted[/yellow]: committed steps stay readable in the archive")
         _mark_interrupted(run_dir)
         code = 130

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from dataclasses import dataclass
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
@@ -40,7 +42,15 @@ def local_cluster(spec: PoolSpec) -> SpecCluster:
         "options": {"nthreads": spec.execution_slots, "resources": {EXECUTION: spec.execution_slots}, "name": "execution-0"},
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": spec.dashboard_address, "host": "127.0.0.1"}}
-    return SpecCluster(workers=workers, scheduler=scheduler, name="gyreflow")
+    # Ctrl-C in a terminal reaches the whole process group; worker processes inherit an ignored
+    # SIGINT so that only the driver handles it and shuts the cluster down in order.
+    if threading.current_thread() is not threading.main_thread():
+        return SpecCluster(workers=workers, scheduler=scheduler, name="gyreflow")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return SpecCluster(workers=workers, scheduler=scheduler, name="gyreflow")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def connect(address: str, timeout: float = 10.0) -> Client:
