@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gyreflow.model.tokenizer import VOCAB_SIZE, build_tokenizer, load_tokenizer
+from gyreflow.model.tokenizer import VOCAB_SIZE, build_tokenizer
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,6 @@ def load_policy(path: str | Path) -> LlamaForCausalLM:
     model = LlamaForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
     model.eval()
     return model
-
-
-def load_checkpoint_tokenizer(path: str | Path):
-    return load_tokenizer(path)
 
 
 def state_dict_numpy(model: torch.nn.Module) -> dict[str, np.ndarray]:
