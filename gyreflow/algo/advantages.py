@@ -46,12 +46,9 @@ def grpo(rewards: np.ndarray, *, scale_by_std: bool = True, eps: float = 1e-6) -
     np.ndarray
         ``(G,)`` float64; zeros for a group of one or all-equal rewards.
     """
-    r = _as_rewards(rewards)
-    if _no_signal(r):
-        return np.zeros_like(r)
-    centred = r - r.mean()  # (G,)
-    if scale_by_std:
-        centred = centred / (r.std() + eps)
+    centred = dr_grpo(rewards)  # (G,), zeros when the group has no signal
+    if scale_by_std and centred.any():
+        centred = centred / (_as_rewards(rewards).std() + eps)
     return centred
 
 
@@ -85,9 +82,6 @@ def rloo(rewards: np.ndarray) -> np.ndarray:
     np.ndarray
         ``(G,)`` float64; zeros for a group of one or all-equal rewards.
     """
-    r = _as_rewards(rewards)
-    if _no_signal(r):
-        return np.zeros_like(r)
-    g = len(r)
-    baseline = (r.sum() - r) / (g - 1)  # (G,)
-    return r - baseline
+    centred = dr_grpo(rewards)  # (G,)
+    g = len(centred)
+    return centred * (g / (g - 1)) if g > 1 else centred
