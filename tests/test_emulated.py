@@ -17,6 +17,7 @@ from gyreflow.bench import (
     Workload,
     WorkloadError,
     available_workloads,
+    emulated_engine_factory,
     emulated_tokens_bytes,
     load_workload,
     lower_bound,
@@ -337,6 +338,7 @@ def test_export_midway_and_import_elsewhere():
     assert state.prompt_ids.tolist() == [500] and state.source == "cell-1" and state.session == "s"
     assert state.kv.dtype == np.uint8 and state.kv.nbytes == (500 + done) * 16
     assert state.generator_state.size == 0 and state.versions.shape == (1,)
+    assert sorted(e1.request_ids()) == ["w0", "w1", "w2", "w3"]
     with pytest.raises(KeyError):
         e1.export_request("r")
     # a waiting request leaves with no KV
@@ -433,3 +435,10 @@ def test_runs_under_engine_runner_real_clock():
         assert res.completion_ids.tolist() == [20000] and res.engine == "c" and res.versions.tolist() == [7]
         with pytest.raises(RequestExported):
             fut.result(timeout=1)
+
+
+def test_engine_factory_for_the_service():
+    e = emulated_engine_factory({}, {}, 4, "tcp://cell:1", workload="flat")
+    assert (e.name, e.version, e.time_scale, e.max_batch) == ("tcp://cell:1", 4, 400.0, 32)
+    e2 = emulated_engine_factory(None, None, 0, "x", workload=COST, time_scale=50.0)
+    assert e2.cost == COST and e2.time_scale == 50.0 and e2.request_ids() == []

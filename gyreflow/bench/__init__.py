@@ -17,7 +17,7 @@ from gyreflow.bench.workload import (
     load_workload,
     lower_bound,
 )
-from gyreflow.bench.emulated_engine import EmulatedEngine
+from gyreflow.bench.emulated_engine import EmulatedEngine, emulated_engine_factory
 
 __all__ = [
     "Cost",
@@ -27,6 +27,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "available_workloads",
+    "emulated_engine_factory",
     "emulated_tokens_bytes",
     "load_workload",
     "lower_bound",

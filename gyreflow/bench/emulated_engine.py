@@ -306,6 +306,11 @@ class EmulatedEngine:
         req.future.set_exception(RequestExported(request_id))
         return state
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests in this engine, live, waiting or arriving (what a migration moves)."""
+        with self._lock:
+            return list(self._ids)
+
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights, version: int) -> None:
@@ -530,3 +535,20 @@ class EmulatedEngine:
 
     def __repr__(self) -> str:
         return f"EmulatedEngine(name={self.name!r}, version={self.version}, live={len(self._live)})"
+
+
+def emulated_engine_factory(
+    hf_config, weights, version: int, name: str, *, workload: Workload | Cost | str, time_scale: float | None = None,
+    quantum_s: float = 0.02,
+) -> EmulatedEngine:  # fmt: skip
+    """An engine factory for :class:`~gyreflow.engine.service.EngineService`: an :class:`EmulatedEngine`.
+
+    ``hf_config`` and ``weights`` are ignored; ``workload`` is a :class:`Workload` (or its name or
+    path, or a bare :class:`Cost` with ``time_scale``); pass it and the rest through the service's
+    ``engine_options``.
+    """
+    if isinstance(workload, str):
+        from gyreflow.bench.workload import load_workload
+
+        workload = load_workload(workload)
+    return EmulatedEngine(workload, time_scale=time_scale, name=name, version=version, quantum_s=quantum_s)
