@@ -75,12 +75,18 @@ class RLConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The embedded cluster (ignored for pool sizes when ``--scheduler`` names a cluster)."""
+    """Cells, pools and placement. The embedded cluster starts ``rollout_workers +
+    trainer_workers`` cells; a cluster named by ``--scheduler`` must have at least that many."""
 
+    placement: str = "elastic"
+    """How cells are shared between rollout and training: ``colocated`` (all roll out, then all
+    train), ``async`` (a fixed split) or ``elastic`` (cells move at run time)."""
     rollout_workers: int = 1
-    """Cells in the rollout pool (one engine each)."""
+    """Cells that start in the rollout pool (one engine each)."""
     trainer_workers: int = 1
-    """Cells in the trainer pool."""
+    """Cells that start in the trainer pool (``colocated`` may start with 0)."""
+    consolidate_batch: int = 16
+    """``elastic``: live executions one rollout cell keeps when cells are taken for training."""
     execution_slots: int = 128
     """Concurrent executions (threads of the execution worker)."""
     torch_threads: int = 1
@@ -105,6 +111,11 @@ class RunConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def placement_options(cfg: RunConfig) -> dict:
+    """Options of the configured placement policy (see :mod:`gyreflow.cluster.placement`)."""
+    return {"consolidate_batch": cfg.cluster.consolidate_batch} if cfg.cluster.placement == "elastic" else {}
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -144,11 +155,14 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"agent.top_p must be in (0, 1], got {cfg.agent.top_p}")
     _positive("agent.max_tokens_per_call", cfg.agent.max_tokens_per_call)
     _positive("agent.max_context_tokens", cfg.agent.max_context_tokens)
-    _positive("cluster.rollout_workers", cfg.cluster.rollout_workers)
-    if cfg.cluster.trainer_workers != 1:
-        raise ConfigError(
-            f"cluster.trainer_workers must be 1 (one trainer cell holds the optimizer), got {cfg.cluster.trainer_workers}"
-        )
+    from gyreflow.cluster.placement import PLACEMENTS
+
+    if cfg.cluster.placement not in PLACEMENTS:
+        raise ConfigError(f"cluster.placement: unknown mode {cfg.cluster.placement!r}; allowed: {', '.join(PLACEMENTS.names())}")
+    if cfg.cluster.rollout_workers < 1:
+        raise ConfigError(f"cluster.rollout_workers must be >= 1 (executions need an engine), got {cfg.cluster.rollout_workers}")
+    _positive("cluster.trainer_workers", cfg.cluster.trainer_workers, allow_zero=cfg.cluster.placement == "colocated")
+    _positive("cluster.consolidate_batch", cfg.cluster.consolidate_batch)
     _positive("cluster.execution_slots", cfg.cluster.execution_slots)
     _positive("cluster.torch_threads", cfg.cluster.torch_threads)
     _positive("cluster.engine_max_batch", cfg.cluster.engine_max_batch)

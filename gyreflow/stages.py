@@ -31,8 +31,9 @@ from gyreflow.trajectory.records import ExecutionResult
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
 
-def _published(model, version: int) -> dict:
-    return {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": version}
+def _published(model, version: int, optim, run: str) -> dict:
+    return {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": version,
+            "optim": optim, "run": run}
 
 
 def sft_fingerprint(cfg) -> str:
@@ -42,9 +43,10 @@ def sft_fingerprint(cfg) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None) -> dict:
+def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: str = "run") -> dict:
     """Train the SFT policy on synthetic demonstrations (or reuse a cached one), save it as a
-    checkpoint, and install it as this trainer cell's starting point. Runs on a trainer cell."""
+    checkpoint, and return it as the RL state of version 0 (fresh optimizer). Runs on a trainer
+    cell."""
     service = get_worker().plugins[TRAINER_PLUGIN]
     t0 = time.time()
     cached = Path(cache_dir, sft_fingerprint(cfg)) if cache_dir else None
@@ -75,9 +77,9 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None) -> di
         if cached is not None:
             save_policy(model, cached)
     save_policy(model, checkpoint_dir)
-    service.init(model.config.to_dict(), state_dict_numpy(model), cfg.optim, version=0)
     metrics["sft_s"] = time.time() - t0
-    return _published(model, 0) | {"metrics": metrics}
+    service.at(state := _published(model, 0, cfg.optim, run))
+    return state | {"optimizer": None, "metrics": metrics}
 
 
 def publish_weights(published: dict) -> dict:
@@ -115,17 +117,38 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str) -> dict:
     return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}
 
 
-def train_step(step: int, groups: list[dict], loss: str, loss_kwargs: dict, previous: dict | None = None) -> dict:
-    """One policy update on the step's groups; returns the new weights version. Runs on the
-    trainer cell; ``previous`` (the last step's result) only orders the steps."""
-    trainer = get_worker().plugins[TRAINER_PLUGIN].require()
-    samples = [s for g in groups for s in g["samples"] if s.trained.any()]
+def weights_of(state: dict) -> dict:
+    """The published weights of an RL state, without the optimizer state (what engines and
+    gradient shares need)."""
+    return {k: state[k] for k in ("hf_config", "weights", "version", "optim", "run")}
+
+
+def gradient_share(group: dict, published: dict, loss: str, loss_kwargs: dict) -> dict:
+    """The gradient of one group's paths at the ``published`` weights: one share of a step's
+    gradient work. Runs on any trainer cell, so a cell that joins mid-step takes shares too."""
+    trainer = get_worker().plugins[TRAINER_PLUGIN].at(published)
+    samples = [s for s in group["samples"] if s.trained.any()]
     t0 = time.time()
-    metrics = trainer.rl_step(samples, loss, **loss_kwargs)
-    metrics["train_s"] = time.time() - t0
+    out = trainer.gradients(samples, loss, **loss_kwargs)
+    out["train_s"] = time.time() - t0
+    out["worker"] = get_worker().address
+    return out
+
+
+def apply_update(step: int, shares: list[dict], state: dict) -> dict:
+    """The step's optimizer update from its gradient shares; the next RL state (new weights
+    version, optimizer state). Runs on a trainer cell."""
+    service = get_worker().plugins[TRAINER_PLUGIN]
+    trainer = service.resume(state)
+    t0 = time.time()
+    metrics = trainer.apply_gradients(shares)
+    service.applied()
+    metrics["apply_s"] = time.time() - t0
+    metrics["train_s"] = sum(s["train_s"] for s in shares) + metrics["apply_s"]
+    metrics["share_workers"] = sorted({s["worker"] for s in shares})
     metrics["step"] = step
-    return {"hf_config": trainer.model.config.to_dict(), "weights": trainer.weights(),
-            "version": trainer.version, "metrics": metrics}
+    return _published(trainer.model, trainer.version, trainer.cfg, state["run"]) | {
+        "optimizer": trainer.optimizer.state_dict(), "metrics": metrics}
 
 
 def save_checkpoint(published: dict, path: str) -> str:

@@ -1,18 +1,18 @@
 """GRPO on the vault tasks: an SFT warm start, then RL steps whose every stage is a Dask future.
 
-    execution-<step>-<task>-<sample>   execution slots   the native agent; calls routed to engines
-    tree-<execution>                   execution slots   calls merged into a prefix-sharing tree
-    advantages-<step>-<task>           execution slots   group-relative advantages of one task
-    train-<step>                       trainer cell      one PPO-clip update -> weights version
-    publish-v<version>-<cell>          rollout cells     the engine installs the new weights
-    eval-v<version>-<i>                execution slots   held-out executions at that version
-    archive-<execution>                execution slots   an execution's calls into the zarr archive
+The step graph (executions, trees, advantages, gradient shares, update, weight publication) is
+:mod:`gyreflow.stepgraph`'s; this driver adds the held-out evaluation and the zarr archive:
+
+    sft-warmstart                      trainer cell     the SFT policy -> RL state of version 0
+    eval-v<version>-<i>                execution slots  held-out executions at that version
+    archive-<execution>                execution slots  an execution's calls into the zarr archive
 
 A step is committed to the archive (training executions, and the held-out executions of the
 version it produced) only when all of its writes are done.
 
 Rollouts of step k start once the update of step k-1-staleness is published, so every trained
-token is at most ``rl.staleness`` versions old.
+token is at most ``rl.staleness`` versions old. Cells move between the rollout and trainer pools
+as ``cluster.placement`` says (the scheduler plugin applies it while everything runs).
 """
 
 from __future__ import annotations
@@ -23,40 +23,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from distributed import Client, Future, wait
+from distributed import Client, Future
 
 from gyreflow.agents.tasks import make_tasks
-from gyreflow.cluster.local import check_pools, install
-from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER
-from gyreflow.config import RunConfig
+from gyreflow.cluster.local import cells_of, check_pools, install
+from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.config import RunConfig, placement_options
 from gyreflow.report import Report
 from gyreflow.stages import (
+    apply_update,
+    gradient_share,
     group_advantages,
     make_tree,
     publish_weights,
     run_execution,
     save_checkpoint,
     sft_warm_start,
-    train_step,
+    weights_of,
 )
+from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
 from gyreflow.storage import commit_step, create_archive, write_execution
 
-SLOT = {EXECUTION: 1}
+STAGES = Stages(execute=run_execution, tree=make_tree, advantages=group_advantages, gradient=gradient_share,
+                update=apply_update, weights=weights_of, publish=publish_weights)
 
 
 @dataclass
 class StepInFlight:
-    step: int
-    executions: list[Future]
+    futures: StepFutures
     writes: list[Future]
-    train: Future
-    started: float
+
+    @property
+    def step(self) -> int:
+        return self.futures.step
 
 
 def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Path | None = None) -> dict:
     run_dir = Path(run_dir)
-    pools = check_pools(client)
-    install(client, cfg.cluster.torch_threads, engine_options(cfg))
+    check_pools(client, cfg.cluster.rollout_workers, cfg.cluster.trainer_workers, cfg.cluster.placement)
+    install(client, cfg.cluster.torch_threads, engine_options(cfg), cfg.cluster.placement, placement_options(cfg))
     archive = run_dir / "archive.zarr"
     create_archive(archive, run_meta={"config": cfg.to_json(), "pipeline": "grpo"})
     report = Report(run_dir, archive=str(archive), checkpoint=str(run_dir / "checkpoints" / "final"),
@@ -64,31 +69,32 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
     t_run = time.time()
     heldout = make_tasks("heldout", cfg.task.heldout_tasks, cfg.task.horizon, cfg.task.spare_calls)
 
-    # 1. SFT warm start on the trainer cell; its weights become version 0 on every engine.
+    # 1. SFT warm start on a trainer cell; its weights become version 0 on every engine.
     log("SFT warm start on synthetic demonstrations ...")
-    weights = client.submit(sft_warm_start, cfg, str(run_dir / "checkpoints" / "sft"),
-                            str(cache_dir) if cache_dir else None, key="sft-warmstart", resources={TRAINER: 1})
-    publish(client, weights, pools[ROLLOUT], version=0)
-    sft = weights.result()["metrics"]
+    state = client.submit(sft_warm_start, cfg, str(run_dir / "checkpoints" / "sft"),
+                          str(cache_dir) if cache_dir else None, run_dir.name, key="sft-warmstart", resources={TRAINER: 1})
+    published = client.submit(weights_of, state, key="weights-v0")
+    publish(client, STAGES, published, engine_cells(client, cfg), version=0)
+    sft = state.result()["metrics"]
     initial, initial_writes = evaluate(client, heldout, cfg, version=0, archive=archive, step=0)
     report.set(initial_heldout_pass_rate=initial["pass_rate"], initial_heldout_mean_reward=initial["mean_reward"], sft=sft)
     log(f"SFT policy: held-out pass rate {initial['pass_rate']:.3f} (mean reward {initial['mean_reward']:.3f})")
 
     # 2. RL steps, overlapped up to the staleness bound.
     in_flight: deque[StepInFlight] = deque()
-    previous: Future | None = None
     last_finish = time.time()
     for step in range(cfg.rl.steps):
         while in_flight and in_flight[0].step <= step - cfg.rl.staleness - 1:
-            last_finish = finish(client, in_flight.popleft(), cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run)
-        in_flight.append(launch(client, step, cfg, archive, previous))
+            last_finish = finish(client, in_flight.popleft(), cfg, heldout, archive, report, log, last_finish, t_run)
+        in_flight.append(launch(client, step, cfg, archive, state, published))
         if step == 0:  # the SFT policy's held-out executions are archived with step 0
             in_flight[0].writes.extend(initial_writes)
-        previous = in_flight[-1].train
+        state, published = in_flight[-1].futures.update, in_flight[-1].futures.published
     while in_flight:
-        last_finish = finish(client, in_flight.popleft(), cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run)
-    save_checkpoint(previous.result(), str(run_dir / "checkpoints" / "final"))
-    report.set(total_wall_s=time.time() - t_run, completed=True)
+        last_finish = finish(client, in_flight.popleft(), cfg, heldout, archive, report, log, last_finish, t_run)
+    save_checkpoint(state.result(), str(run_dir / "checkpoints" / "final"))
+    report.set(total_wall_s=time.time() - t_run, completed=True,
+               placement=client.sync(client.scheduler.gyreflow_pools))
     return report.data
 
 
@@ -98,37 +104,28 @@ def engine_options(cfg: RunConfig) -> dict:
             "retain_slots": 2 * cfg.cluster.engine_max_batch}
 
 
-def launch(client: Client, step: int, cfg: RunConfig, archive: Path, previous: Future | None) -> StepInFlight:
-    """Submit one step's executions, trees, advantages, archive writes and update."""
+def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
+    """Cells whose engines get each weights version: those that may roll out in this mode."""
+    pools = cells_of(client)
+    return pools[ROLLOUT] if cfg.cluster.placement == "async" else pools[ROLLOUT] + pools[TRAINER]
+
+
+def launch(client: Client, step: int, cfg: RunConfig, archive: Path, state: Future, published: Future) -> StepInFlight:
+    """Submit one step's tasks and its executions' archive writes."""
     tasks = make_tasks("train", cfg.rl.tasks_per_step, cfg.task.horizon, cfg.task.spare_calls,
                        start=step * cfg.rl.tasks_per_step)
-    executions, writes, groups = [], [], []
-    for task in tasks:
-        group = []
-        for sample in range(cfg.rl.samples_per_task):
-            eid = f"execution-{step}-{task.task_id}-{sample}"
-            ex = client.submit(run_execution, task, cfg.agent, eid, step, sample, cfg.rl.seed, key=eid, resources=SLOT)
-            executions.append(ex)
-            writes.append(client.submit(write_execution, str(archive), ex, key=f"archive-{eid}", resources=SLOT))
-            group.append(client.submit(make_tree, ex, key=f"tree-{eid}", resources=SLOT))
-        groups.append(client.submit(group_advantages, group, cfg.rl.advantage, key=f"advantages-{step}-{task.task_id}",
-                                    resources=SLOT))
-    loss_kwargs = {"clip_eps": cfg.rl.clip_eps} if cfg.rl.loss == "ppo_clip" else {}
-    train = client.submit(train_step, step, groups, cfg.rl.loss, loss_kwargs, previous, key=f"train-{step}",
-                          resources={TRAINER: 1})
-    return StepInFlight(step, executions, writes, train, time.time())
-
-
-def publish(client: Client, weights: Future, engines: list[str], version: int) -> None:
-    """Install a weights version on every rollout cell and wait until all have it."""
-    done = [
-        client.submit(publish_weights, weights, key=f"publish-v{version}-{addr.split('//')[-1]}", workers=[addr],
-                      resources={ROLLOUT: 1}, allow_other_workers=False)
-        for addr in engines
+    groups = [
+        Group(task.task_id, [(eid := f"execution-{step}-{task.task_id}-{sample}",
+                              (task, cfg.agent, eid, step, sample, cfg.rl.seed))
+                             for sample in range(cfg.rl.samples_per_task)])
+        for task in tasks
     ]
-    wait(done)
-    for f in done:
-        f.result()
+    loss_kwargs = {"clip_eps": cfg.rl.clip_eps} if cfg.rl.loss == "ppo_clip" else {}
+    futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage,),
+                          gradient_args=(cfg.rl.loss, loss_kwargs))
+    writes = [client.submit(write_execution, str(archive), ex, key=f"archive-{ex.key}", resources=SLOT)
+              for ex in futures.executions]
+    return StepInFlight(futures, writes)
 
 
 def evaluate(client: Client, heldout, cfg: RunConfig, version: int, archive: Path, step: int) -> tuple[dict, list[Future]]:
@@ -145,13 +142,13 @@ def evaluate(client: Client, heldout, cfg: RunConfig, version: int, archive: Pat
     return summary, writes
 
 
-def finish(client, sf: StepInFlight, cfg, pools, heldout, archive, report, run_dir, log, last_finish, t_run) -> float:
+def finish(client, sf: StepInFlight, cfg, heldout, archive, report, log, last_finish, t_run) -> float:
     """Publish the step's update, evaluate it, commit the step to the archive and the report."""
-    trained = sf.train.result()
+    trained = sf.futures.update.result()
     version = trained["version"]
-    publish(client, sf.train, pools[ROLLOUT], version)
+    publish(client, STAGES, sf.futures.published, engine_cells(client, cfg), version)
     ev, eval_writes = evaluate(client, heldout, cfg, version, archive, sf.step)
-    results = client.gather(sf.executions)
+    results = client.gather(sf.futures.executions)
     summaries = client.gather(sf.writes + eval_writes)
     tokens = int(sum(r.tokens_generated for r in results))
     summary = {"version": version, "heldout_pass_rate": ev["pass_rate"],
@@ -170,9 +167,11 @@ def finish(client, sf: StepInFlight, cfg, pools, heldout, archive, report, run_d
         "wall_s": now - last_finish,
         "elapsed_s": now - t_run,
         "max_staleness": m.get("max_staleness", 0),
-        "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "grad_norm", "clip_frac", "approx_kl", "train_s") if k in m},
+        "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "grad_norm", "clip_frac", "approx_kl", "train_s",
+                                    "shares", "share_workers") if k in m},
     }
     report.add_step(entry)
     log(f"step {sf.step + 1}/{cfg.rl.steps}: held-out pass {ev['pass_rate']:.3f}  train reward {entry['mean_reward']:.3f}  "
-        f"tokens {tokens}  staleness {entry['max_staleness']}  {entry['wall_s']:.1f}s")
+        f"tokens {tokens}  staleness {entry['max_staleness']}  trained on {len(m.get('share_workers', []))} cell(s)  "
+        f"{entry['wall_s']:.1f}s")
     return now

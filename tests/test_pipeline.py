@@ -37,8 +37,8 @@ def test_two_steps_run_each_stage_only_on_its_pool(cluster, tmp_path, tiny_overr
     exec_pool, rollout, trainer = set(pools["execution"]), set(pools["rollout"]), set(pools["trainer"])
     for prefix in ("execution", "eval", "tree", "advantages", "archive"):
         assert where[prefix] and where[prefix] <= exec_pool, prefix
-    assert where["train"] <= trainer and where["sft"] <= trainer
-    assert where["publish"] <= rollout
+    assert where["grad"] <= trainer and where["update"] <= trainer and where["sft"] <= trainer
+    assert where["publish"] <= rollout | trainer
     # Engine work: only the rollout cell's engine generated tokens.
     for addr, stats in engine_stats.items():
         assert (stats.get("tokens_generated", 0) > 0) == (addr in rollout)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
+from gyreflow.cluster.cell import CellService
 from gyreflow.cluster.plugin import PoolsPlugin
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER, workers_by_pool
 from gyreflow.engine.service import EngineService
@@ -21,22 +22,26 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """Cells of the embedded cluster."""
+    """Cells of the embedded cluster: ``rollout`` start in the rollout pool, ``trainer`` in the
+    trainer pool; every cell can take either role later."""
 
     rollout: int = 1
     trainer: int = 1
     execution_slots: int = 64
     dashboard_address: str = "127.0.0.1:0"
+    cell_threads: int = 2
+    """Task threads per cell: one for a trainer task, one for weight publication and the like."""
 
 
 def local_cluster(spec: PoolSpec) -> SpecCluster:
     """A cluster of worker processes with per-worker resources: one per rollout and trainer cell,
     and one execution worker whose threads are the execution slots."""
     workers = {}
-    for i in range(spec.rollout):
-        workers[f"rollout-{i}"] = {"cls": Nanny, "options": {"nthreads": 2, "resources": {ROLLOUT: 1}, "name": f"rollout-{i}"}}
-    for i in range(spec.trainer):
-        workers[f"trainer-{i}"] = {"cls": Nanny, "options": {"nthreads": 1, "resources": {TRAINER: 1}, "name": f"trainer-{i}"}}
+    for i in range(spec.rollout + spec.trainer):
+        role = ROLLOUT if i < spec.rollout else TRAINER
+        # Both keys on every cell: a role change sets one to 1 and the other to 0.
+        res = {ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)}
+        workers[f"cell-{i}"] = {"cls": Nanny, "options": {"nthreads": spec.cell_threads, "resources": res, "name": f"cell-{i}"}}
     workers["execution-0"] = {
         "cls": Nanny,
         "options": {"nthreads": spec.execution_slots, "resources": {EXECUTION: spec.execution_slots}, "name": "execution-0"},
@@ -61,17 +66,28 @@ def connect(address: str, timeout: float = 10.0) -> Client:
         raise ClusterError(f"no Dask scheduler answered at {address} within {timeout:.0f}s ({type(err).__name__})") from None
 
 
-def check_pools(client: Client) -> dict[str, list[str]]:
-    """The workers of each pool; refuses a cluster that lacks a pool."""
+def cells_of(client: Client) -> dict[str, list[str]]:
+    """The workers of each pool (``rollout``, ``trainer``, ``execution``)."""
     info = client.scheduler_info(n_workers=-1)
-    resources = {addr: w.get("resources", {}) for addr, w in info["workers"].items()}
-    pools = workers_by_pool(resources)
-    missing = [p for p in (ROLLOUT, TRAINER, EXECUTION) if not pools[p]]
-    if missing:
+    return workers_by_pool({addr: w.get("resources", {}) for addr, w in info["workers"].items()})
+
+
+def check_pools(client: Client, rollout: int = 1, trainer: int = 1, mode: str = "async") -> dict[str, list[str]]:
+    """The workers of each pool; refuses a cluster that cannot run ``mode`` with at least
+    ``rollout`` + ``trainer`` cells."""
+    pools = cells_of(client)
+    if not pools[EXECUTION]:
+        raise ClusterError(f"the cluster has no worker with resource '{EXECUTION}'; start one with --resources {EXECUTION}=N")
+    have = len(pools[ROLLOUT]) + len(pools[TRAINER])
+    if have < rollout + trainer:
         raise ClusterError(
-            f"the cluster has no worker with resource {', '.join(repr(m) for m in missing)}; gyreflow needs at least "
-            f"one '{ROLLOUT}', one '{TRAINER}' and one '{EXECUTION}' worker (start workers with --resources)"
+            f"the configuration asks for {rollout + trainer} cells ({rollout} rollout + {trainer} trainer) but the cluster "
+            f"has {have} worker(s) with a '{ROLLOUT}' or '{TRAINER}' resource"
         )
+    if not pools[ROLLOUT]:
+        raise ClusterError(f"the cluster has no worker with resource '{ROLLOUT}': executions would have no engine")
+    if not pools[TRAINER] and mode != "colocated":
+        raise ClusterError(f"the cluster has no worker with resource '{TRAINER}', which placement {mode!r} needs")
     return pools
 
 
@@ -79,10 +95,17 @@ def _registered(dask_scheduler=None) -> list[str]:
     return [*dask_scheduler.plugins, *dask_scheduler.worker_plugins]
 
 
-def install(client: Client, torch_threads: int | None, engine_options: dict) -> None:
+def install(client: Client, torch_threads: int | None, engine_options: dict, mode: str = "async",
+            placement_options: dict | None = None, engine_factory=None) -> None:
     """Register gyreflow's scheduler and worker plugins, unless the cluster already has them (a
-    second pipeline on the same cluster keeps the engines and trainer cells it finds)."""
+    second pipeline on the same cluster keeps the engines and trainer replicas it finds), and
+    set the placement mode."""
     present = set(client.run_on_scheduler(_registered))
-    for plugin in (PoolsPlugin(), EngineService(engine_options, torch_threads), TrainerService(torch_threads)):
+    engine = EngineService(engine_options, torch_threads) if engine_factory is None else \
+        EngineService(engine_options, torch_threads, factory=engine_factory)
+    for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options)):
         if plugin.name not in present:
             client.register_plugin(plugin)
+    out = client.sync(client.scheduler.gyreflow_placement, mode=mode, options=placement_options or {})
+    if "error" in out:
+        raise ClusterError(f"placement {mode!r}: {out['error']}")

@@ -1,5 +1,11 @@
 """The router as an execution sees it: each model call asks the scheduler for an engine, then
 sends the request to that engine's worker over Dask comms (TCP, or UCX where the cluster uses it).
+
+A call survives the pools changing under it. A cell that left the rollout pool answers
+``reroute`` and the call goes to the engine the scheduler names next; a generation migrated
+mid-way is collected where it went (``moved``); and if the cell died while migrating it, the
+scheduler knows which cell imported it (``gyreflow_locate``), so it resumes from its last migrated
+token. Only a generation that never left a dead cell is sent again, with its own seed.
 """
 
 from __future__ import annotations
@@ -16,37 +22,80 @@ class RouteError(RuntimeError):
 
 
 class Router:
-    """Callable ``GenerationRequest -> GenerationResult`` for use inside a Dask task."""
+    """Callable ``GenerationRequest -> GenerationResult`` for use inside a Dask task.
+
+    Parameters
+    ----------
+    session
+        The execution's id; its calls stick to one engine (and its KV cache) while it serves.
+    attempts
+        Engine failures (a dead worker, not a re-route or a migration) tolerated per call.
+    """
 
     def __init__(self, session: str, attempts: int = 3):
         self.session = session
         self.attempts = attempts
         self.worker = get_worker()
         self.engine: str | None = None
-        """The session's engine; asked of the scheduler once, and again only when it fails."""
+        """The session's engine; asked of the scheduler once, and again when it stops serving."""
+        self.reroutes = 0
+        self.migrations = 0
 
-    async def _generate(self, msg: dict) -> dict:
-        last = None
-        for _ in range(self.attempts):
-            if self.engine is None:
-                route = await self.worker.scheduler.gyreflow_route(session=self.session)
-                if "error" in route:
-                    raise RouteError(route["error"])
-                self.engine = route["engine"]
+    async def _route(self) -> str:
+        route = await self.worker.scheduler.gyreflow_route(session=self.session)
+        if "error" in route:
+            raise RouteError(route["error"])
+        return route["engine"]
+
+    async def agenerate_msg(self, msg: dict) -> dict:
+        """Serve one request message; the reply message of the engine that finished it."""
+        failures, last = 0, None
+        pending: tuple[str, str] | None = None  # (engine, request id) of a migrated generation
+        while True:
+            if pending is None and self.engine is None:
+                self.engine = await self._route()
             try:
-                out = await self.worker.rpc(self.engine).gyreflow_generate(request=msg)
-            except OSError as err:  # the engine's worker went away: route again
-                last = err
+                if pending is not None:
+                    out = await self.worker.rpc(pending[0]).gyreflow_resume(request_id=pending[1])
+                else:
+                    out = await self.worker.rpc(self.engine).gyreflow_generate(request=msg)
+            except OSError as err:  # the engine's worker went away
+                failures, last = failures + 1, err
+                if failures > self.attempts:
+                    raise RouteError(f"no engine answered after {self.attempts} attempts: {last}") from None
+                where = await self.worker.scheduler.gyreflow_locate(request_id=msg["request_id"])
+                if where.get("engine") and (pending is None or where["engine"] != pending[0]):
+                    pending = (where["engine"], msg["request_id"])  # it was migrated before the loss
+                    self.engine = where["engine"]
+                else:
+                    pending = None
+                    await self.worker.scheduler.gyreflow_release(session=self.session)
+                    self.engine = None
+                continue
+            if out.get("reroute"):
+                self.reroutes += 1
                 await self.worker.scheduler.gyreflow_release(session=self.session)
                 self.engine = None
                 continue
+            if "moved" in out:
+                self.migrations += 1
+                pending = (out["moved"], msg["request_id"])
+                self.engine = out["moved"]  # the session's KV went with it
+                await self.worker.scheduler.gyreflow_route(session=self.session, engine=self.engine)
+                continue
             if "error" in out:
-                raise RouteError(f"engine {self.engine}: {out['error']}")
+                raise RouteError(f"engine {pending[0] if pending else self.engine}: {out['error']}")
             return out
-        raise RouteError(f"no engine answered after {self.attempts} attempts: {last}")
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationResult:
+        """Serve one request from a coroutine (an ``async def`` Dask task)."""
+        return msg_to_result(await self.agenerate_msg(request_to_msg(request)))
 
     def __call__(self, request: GenerationRequest) -> GenerationResult:
-        return msg_to_result(sync(self.worker.loop, self._generate, request_to_msg(request)))
+        return msg_to_result(sync(self.worker.loop, self.agenerate_msg, request_to_msg(request)))
+
+    async def aclose(self) -> None:
+        await self.worker.scheduler.gyreflow_release(session=self.session)
 
     def close(self) -> None:
-        sync(self.worker.loop, self.worker.scheduler.gyreflow_release, session=self.session)
+        sync(self.worker.loop, self.aclose)

@@ -303,6 +303,11 @@ class TorchEngine:
         req.future.set_exception(RequestExported(request_id))
         return state
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests in this engine, live or waiting (what a migration moves)."""
+        with self._lock:
+            return list(self._ids)
+
     def _empty_kv(self) -> np.ndarray:
         s = self.spec
         return np.zeros((s.num_layers, 2, s.num_kv_heads, 0, s.head_dim), dtype=np.float32)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingParams
+from gyreflow.engine.base import GenerationRequest, GenerationResult, LiveRequestState, SamplingParams
 
 
 def _arr(a, dtype) -> bytes:
@@ -61,3 +61,58 @@ def msg_to_result(msg: dict) -> GenerationResult:
         engine=msg["engine"],
         prefix_reused=msg.get("prefix_reused", 0),
     )
+
+
+def _array_msg(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _msg_array(m: dict) -> np.ndarray:
+    return np.frombuffer(m["data"], dtype=np.dtype(m["dtype"])).reshape(m["shape"]).copy()
+
+
+def state_to_msg(state: LiveRequestState) -> dict:
+    """A live request (tokens so far, KV cache, sampler state) as a message for Dask comms; the
+    KV travels as one bytes frame, so over UCX it moves by RDMA where the network has it."""
+    params = asdict(state.params)
+    params["stop"] = list(params["stop"])
+    params["stop_token_ids"] = list(params["stop_token_ids"])
+    return {
+        "request_id": state.request_id,
+        "prompt_ids": _array_msg(state.prompt_ids),
+        "completion_ids": _array_msg(state.completion_ids),
+        "logprobs": _array_msg(state.logprobs),
+        "versions": _array_msg(state.versions),
+        "params": params,
+        "session": state.session,
+        "generator_state": _array_msg(state.generator_state),
+        "kv": _array_msg(state.kv),
+        "prefix_reused": int(state.prefix_reused),
+        "source": state.source,
+        "source_version": int(state.source_version),
+    }
+
+
+def msg_to_state(msg: dict) -> LiveRequestState:
+    p = dict(msg["params"])
+    p["stop"] = tuple(p.get("stop", ()))
+    p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
+    return LiveRequestState(
+        request_id=msg["request_id"],
+        prompt_ids=_msg_array(msg["prompt_ids"]),
+        completion_ids=_msg_array(msg["completion_ids"]),
+        logprobs=_msg_array(msg["logprobs"]),
+        versions=_msg_array(msg["versions"]),
+        params=SamplingParams(**p),
+        session=msg.get("session"),
+        generator_state=_msg_array(msg["generator_state"]),
+        kv=_msg_array(msg["kv"]),
+        prefix_reused=msg.get("prefix_reused", 0),
+        source=msg.get("source", ""),
+        source_version=msg.get("source_version", 0),
+    )
+
+
+def state_nbytes(state: LiveRequestState) -> int:
+    return int(np.asarray(state.kv).nbytes + np.asarray(state.generator_state).nbytes)

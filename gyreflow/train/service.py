@@ -1,4 +1,10 @@
-"""The trainer on a trainer cell: a WorkerPlugin that holds it for the worker's lifetime."""
+"""The trainer on a cell: a WorkerPlugin that keeps a policy replica for the worker's lifetime.
+
+Any trainer cell can take any share of a step: it loads a weights version once (the first task of
+that version on the cell pays it) and keeps it for the next tasks. The optimizer state travels with
+the step's update, so the cell that applies the next update need not be the one that applied the
+last (cells join and leave the trainer pool at run time).
+"""
 
 from __future__ import annotations
 
@@ -14,13 +20,17 @@ PLUGIN_NAME = "gyreflow-trainer"
 
 
 class TrainerService(WorkerPlugin):
-    """Holds one :class:`~gyreflow.train.trainer.Trainer`, created by :meth:`init` from a task."""
+    """Holds one :class:`~gyreflow.train.trainer.Trainer` replica per cell."""
 
     name = PLUGIN_NAME
 
     def __init__(self, torch_threads: int | None = None):
         self.torch_threads = torch_threads
         self.trainer: Trainer | None = None
+        self.run: str | None = None
+        self.optimizer_of: tuple[str, int] | None = None
+        """(run, version) whose optimizer state the replica's optimizer holds."""
+        self.loads = 0
 
     async def setup(self, worker) -> None:
         if self.torch_threads:
@@ -31,8 +41,38 @@ class TrainerService(WorkerPlugin):
         load_state_dict_numpy(model, weights)
         model.eval()
         self.trainer = Trainer(model, optim, version=version)
+        self.run, self.optimizer_of = None, None
 
     def require(self) -> Trainer:
         if self.trainer is None:
             raise RuntimeError("this trainer cell has no trainer: run the init task first")
         return self.trainer
+
+    def at(self, published: dict) -> Trainer:
+        """The replica at ``published`` weights (``hf_config``, ``weights``, ``version``, ``optim``,
+        ``run``), loading them only when the cell does not hold that version of that run yet."""
+        key = (published["run"], published["version"])
+        if self.trainer is None or (self.run, self.trainer.version) != key:
+            if self.trainer is None or self.trainer.model.config.to_dict() != LlamaConfig(**published["hf_config"]).to_dict():
+                self.init(published["hf_config"], published["weights"], published["optim"], published["version"])
+            else:
+                load_state_dict_numpy(self.trainer.model, published["weights"])
+                self.trainer.version = published["version"]
+            self.run = published["run"]
+            self.loads += 1
+        return self.trainer
+
+    def resume(self, state: dict) -> Trainer:
+        """The replica at ``state`` with the optimizer state that goes with it (``state["optimizer"]``
+        is a state dict, or ``None`` for a fresh optimizer)."""
+        trainer = self.at(state)
+        if self.optimizer_of != (state["run"], state["version"]):
+            trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=trainer.cfg.lr,
+                                                  weight_decay=trainer.cfg.weight_decay)
+            if state.get("optimizer") is not None:
+                trainer.optimizer.load_state_dict(state["optimizer"])
+        return trainer
+
+    def applied(self) -> None:
+        """The replica's optimizer now holds the state after its current version."""
+        self.optimizer_of = (self.run, self.trainer.version)

@@ -47,6 +47,29 @@ class Trainer:
         self.model, self.cfg, self.version = model, cfg, version
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
+    def _backward(self, batches: list[MicroBatch], loss_of, denom: float) -> tuple[dict, int]:
+        """Accumulate gradients of ``sum_mb loss_mb * n_mb / denom`` (``loss_of(mb) -> (token-mean
+        loss, metrics)``); returns the metric sums weighted the same way and the trained tokens."""
+        sums: dict[str, float] = {}
+        total = 0
+        for mb in batches:
+            n = float(mb.loss_mask.sum())
+            if n == 0:
+                continue
+            loss, metrics = loss_of(mb)
+            (loss * (n / denom)).backward()
+            total += int(n)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * n / denom
+        return sums, total
+
+    def _step(self) -> float:
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        self.optimizer.step()
+        self.model.eval()
+        self.version += 1
+        return norm if math.isfinite(norm) else float("nan")
+
     def _apply(self, batches: list[MicroBatch], loss_of) -> dict:
         """One optimizer step over ``batches``; ``loss_of(mb) -> (token-mean loss, metrics)``."""
         self.model.train()
@@ -55,30 +78,18 @@ class Trainer:
             self.model.eval()
             return {"trained_tokens": 0}
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for mb in batches:
-            n = float(mb.loss_mask.sum())
-            if n == 0:
-                continue
-            loss, metrics = loss_of(mb)
-            # Weight each micro-batch by its share of trained tokens: the step's loss is a token mean.
-            (loss * (n / total)).backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * n / total
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.model.eval()
-        self.version += 1
+        # Each micro-batch weighs by its share of trained tokens: the step's loss is a token mean.
+        sums, _ = self._backward(batches, loss_of, total)
+        norm = self._step()
         padded = sum(mb.input_ids.numel() for mb in batches)
         return sums | {
-            "grad_norm": float(norm) if math.isfinite(float(norm)) else float("nan"),
+            "grad_norm": norm,
             "trained_tokens": int(total),
             "padded_tokens": int(padded),
             "sequences": int(sum(mb.input_ids.shape[0] for mb in batches)),
         }
 
-    def rl_step(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
-        """One policy-gradient step with the registered ``loss`` (importance ratio vs behaviour)."""
+    def _rl_loss(self, loss: str, **loss_kwargs):
         loss_fn = LOSSES.get(loss)
         T = self.cfg.temperature
 
@@ -87,11 +98,65 @@ class Trainer:
             m = mb.loss_mask.bool()
             return loss_fn(lp[m], mb.old_logprobs[m], mb.advantages[m], mb.loss_mask[m], **loss_kwargs)
 
+        return loss_of
+
+    @staticmethod
+    def _oldest(samples: list[PathSample]) -> int | None:
         versions = [s.versions[s.trained] for s in samples if s.trained.any()]
-        oldest = int(min(v.min() for v in versions)) if versions else self.version
-        out = self._apply(pack(samples, self.cfg.micro_batch_tokens), loss_of)
+        return int(min(v.min() for v in versions)) if versions else None
+
+    def gradients(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
+        """One share of a step's gradient work, to be summed with the others by :meth:`apply_gradients`.
+
+        Returns the *token-summed* gradient of the loss over ``samples`` (numpy, by parameter
+        name), the trained tokens, token-summed metrics and the oldest trained version; the model
+        and optimizer are left as they were.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = pack(samples, self.cfg.micro_batch_tokens)
+        sums, tokens = self._backward(batches, self._rl_loss(loss, **loss_kwargs), 1.0)
+        grads = {name: (p.grad.detach().numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
+                 for name, p in self.model.named_parameters()}
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        return {"grads": grads, "tokens": tokens, "sums": sums, "oldest": self._oldest(samples),
+                "padded_tokens": int(sum(mb.input_ids.numel() for mb in batches)), "version": self.version}
+
+    def apply_gradients(self, parts: list[dict]) -> dict:
+        """The optimizer step of a step whose gradient work was split into ``parts``: the same
+        update as :meth:`rl_step` on all their samples at once (a token mean over the step)."""
+        for part in parts:
+            if part["version"] != self.version:
+                raise ValueError(f"a gradient share was computed at version {part['version']}, the trainer is at {self.version}")
+        total = sum(p["tokens"] for p in parts)
+        oldest = [p["oldest"] for p in parts if p["oldest"] is not None]
+        if total == 0:
+            return {"trained_tokens": 0, "max_staleness": 0, "version": self.version}
+        for name, param in self.model.named_parameters():
+            g = sum(p["grads"][name] for p in parts) / total
+            param.grad = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).to(param.dtype)
+        sums: dict[str, float] = {}
+        for p in parts:
+            for k, v in p["sums"].items():
+                sums[k] = sums.get(k, 0.0) + v / total
+        self.model.train()
+        norm = self._step()
+        return sums | {
+            "grad_norm": norm,
+            "trained_tokens": int(total),
+            "padded_tokens": int(sum(p["padded_tokens"] for p in parts)),
+            "shares": len(parts),
+            "max_staleness": int(self.version - 1 - min(oldest)) if oldest else 0,
+            "version": self.version,
+        }
+
+    def rl_step(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
+        """One policy-gradient step with the registered ``loss`` (importance ratio vs behaviour)."""
+        oldest = self._oldest(samples)
+        out = self._apply(pack(samples, self.cfg.micro_batch_tokens), self._rl_loss(loss, **loss_kwargs))
         # Staleness of the oldest trained token: versions behind the weights that were updated.
-        out["max_staleness"] = int(self.version - 1 - oldest) if versions else 0
+        out["max_staleness"] = int(self.version - 1 - oldest) if oldest is not None else 0
         out["version"] = self.version
         return out
 

@@ -1,0 +1,51 @@
+"""A cell's side of a role change: a WorkerPlugin the scheduler plugin calls over Dask comms.
+
+The role is the worker's resources (``rollout`` or ``trainer`` set to 1, the other to 0), changed
+only through ``Worker.set_resources`` so that worker and scheduler agree (calling the scheduler's
+``add_resources`` alone breaks the worker). The engine on the cell stops or resumes taking
+requests with the role.
+"""
+
+from __future__ import annotations
+
+import time
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.worker_state_machine import UnpauseEvent
+
+from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
+
+PLUGIN_NAME = "gyreflow-cell"
+
+
+class CellService(WorkerPlugin):
+    """Serves ``gyreflow_set_role(role)`` on every worker that can be a cell."""
+
+    name = PLUGIN_NAME
+
+    def __init__(self) -> None:
+        self.worker = None
+        self.changes = 0
+
+    async def setup(self, worker) -> None:
+        self.worker = worker
+        worker.handlers["gyreflow_set_role"] = self.set_role
+
+    async def set_role(self, role: str) -> dict:
+        """Serve ``role`` from now on; returns the time the change took."""
+        if role not in (ROLLOUT, TRAINER):
+            return {"error": f"unknown role {role!r}; a cell is {ROLLOUT!r} or {TRAINER!r}"}
+        t0 = time.perf_counter()
+        engine = self.worker.plugins.get(ENGINE_PLUGIN)
+        if engine is not None and role != ROLLOUT:
+            engine.accepting = False
+        await self.worker.set_resources(**{ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)})
+        if engine is not None and role == ROLLOUT:
+            engine.accepting = True
+        # set_resources changes the worker's counts without a state-machine event, so tasks already
+        # queued here for the new resource would wait for the next unrelated event: kick the loop.
+        if self.worker.state.running:
+            self.worker.handle_stimulus(UnpauseEvent(stimulus_id=f"gyreflow-role-{role}-{time.time()}"))
+        self.changes += 1
+        return {"role": role, "seconds": time.perf_counter() - t0}

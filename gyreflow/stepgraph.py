@@ -1,0 +1,106 @@
+"""One RL step as Dask futures: executions -> trees -> group advantages -> gradient shares ->
+update, and the publication of a weights version to the cells.
+
+    execution-<step>-<task>-<sample>   execution slot   an agent run; its calls go through the router
+    tree-<execution>                   execution slot   calls merged into a prefix-sharing tree
+    advantages-<step>-<task>           execution slot   group-relative advantages of one task
+    grad-<step>-<task>                 trainer cell     one group's share of the step's gradient
+    update-<step>                      trainer cell     the optimizer step -> the next RL state
+    weights-v<version>                 anywhere         the state's weights, without optimizer state
+    publish-v<version>-<cell>          that cell        the cell's engine installs the weights
+
+Training streams: a group's gradient share runs as soon as the group is complete (and the weights
+it is computed at exist), while the step's stragglers still run; every share is a separate task
+on the ``trainer`` resource, so a cell that joins the trainer pool mid-step takes shares of the step
+under way. The stage functions are parameters, so the placement benchmark runs this very graph
+with emulated compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Client, Future, wait
+
+from gyreflow.cluster.pools import EXECUTION, TRAINER
+
+SLOT = {EXECUTION: 1}
+TRAIN = {TRAINER: 1}
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The functions a step's tasks run (see the module docstring for where each runs)."""
+
+    execute: Callable[..., Any]
+    """``execute(*args) -> result`` of one execution."""
+    tree: Callable[[Any], Any]
+    """``tree(result) -> tree``."""
+    advantages: Callable[..., dict]
+    """``advantages(trees, *advantage_args) -> group``."""
+    gradient: Callable[..., dict]
+    """``gradient(group, published, *gradient_args) -> share``."""
+    update: Callable[[int, list, dict], dict]
+    """``update(step, shares, state) -> state``."""
+    weights: Callable[[dict], dict]
+    """``weights(state) -> published``."""
+    publish: Callable[[dict], dict]
+    """``publish(published) -> info``, run on one cell."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The executions of one task in one step: ``(execution_id, execute args)`` each."""
+
+    task_id: str
+    executions: Sequence[tuple[str, tuple]]
+
+
+@dataclass
+class StepFutures:
+    step: int
+    executions: list[Future]
+    trees: list[Future]
+    groups: list[Future]
+    shares: list[Future]
+    update: Future
+    """The RL state after this step's update."""
+    published: Future
+    """Its weights, for engines and the next step's gradient shares."""
+    started: float = field(default_factory=time.time)
+
+
+def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stages, state: Future,
+                published: Future, advantage_args: tuple = (), gradient_args: tuple = ()) -> StepFutures:
+    """Submit one step's tasks; ``state``/``published``: the RL state the step updates and its
+    weights (the futures of the previous step, or of the warm start)."""
+    executions, trees, group_futs, shares = [], [], [], []
+    for g in groups:
+        group_trees = []
+        for eid, args in g.executions:
+            ex = client.submit(stages.execute, *args, key=eid, resources=SLOT)
+            executions.append(ex)
+            group_trees.append(client.submit(stages.tree, ex, key=f"tree-{eid}", resources=SLOT))
+        trees.extend(group_trees)
+        adv = client.submit(stages.advantages, group_trees, *advantage_args, key=f"advantages-{step}-{g.task_id}",
+                            resources=SLOT)
+        group_futs.append(adv)
+        shares.append(client.submit(stages.gradient, adv, published, *gradient_args, key=f"grad-{step}-{g.task_id}",
+                                    resources=TRAIN))
+    update = client.submit(stages.update, step, shares, state, key=f"update-{step}", resources=TRAIN)
+    nxt = client.submit(stages.weights, update, key=f"weights-v{step + 1}")
+    return StepFutures(step, executions, trees, group_futs, shares, update, nxt)
+
+
+def publish(client: Client, stages: Stages, published: Future, cells: Sequence[str], version: int) -> list[dict]:
+    """Install a weights version on every cell in ``cells`` and wait until all have it."""
+    done = [
+        client.submit(stages.publish, published, key=f"publish-v{version}-{addr.split('//')[-1]}", workers=[addr],
+                      allow_other_workers=False, pure=False)
+        for addr in cells
+    ]
+    wait(done)
+    return [f.result() for f in done]
