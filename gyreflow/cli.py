@@ -1,4 +1,4 @@
-"""``gyreflow run | inspect``: the command line."""
+"""``gyreflow run | inspect | bench``: the command line."""
 
 from __future__ import annotations
 
@@ -163,6 +163,86 @@ def inspect(run_dir) -> None:
             console.print(f"archive step {step}: {len(reader.executions(step))} executions")
     elif not report.is_file():
         raise click.UsageError(f"{run_dir} is not a gyreflow run directory (no report.json, no archive.zarr)")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print ratios against baselines measured in the same invocation."""
+
+
+def _split(text: str) -> tuple[int, int]:
+    try:
+        r, t = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"split {text!r} must look like ROLLOUT:TRAINER, e.g. 6:2") from None
+    return r, t
+
+
+@bench.command("placement")
+@click.option("--workload", "workload_name", default="xlong-tail", show_default=True,
+              help="Shipped workload name (xlong-tail, flat) or a workload JSON file.")
+@click.option("--modes", default="colocated,async,elastic", show_default=True, help="Comma-separated modes to run.")
+@click.option("--split", "splits", multiple=True, metavar="R:T", help="async rollout:trainer split to try (repeatable).")
+@click.option("--steps", type=int, help="Override the workload's number of steps.")
+@click.option("--time-scale", type=float, help="Override emulated seconds per wall second.")
+@click.option("--consolidate-batch", type=int, default=None, help="elastic: live executions kept per rollout cell.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_placement(workload_name, modes, splits, steps, time_scale, consolidate_batch, json_path) -> None:
+    """colocated vs async vs elastic on one workload, with the emulated cost model (see README)."""
+    import dataclasses
+    import json
+
+    from gyreflow.bench.placement import MODES, run_bench
+    from gyreflow.bench.workload import WorkloadError, load_workload
+
+    _quiet()
+    try:
+        workload = load_workload(workload_name)
+    except WorkloadError as err:
+        raise click.UsageError(str(err)) from None
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise click.UsageError(f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none)'}; allowed: {', '.join(MODES)}")
+    parsed = [_split(s) for s in splits]
+    for r, t in parsed:
+        if r < 1 or t < 1 or r + t != workload.cells:
+            raise click.UsageError(f"split {r}:{t} must have at least one cell in each pool and sum to the "
+                                   f"workload's {workload.cells} cells")
+    if steps is not None:
+        if steps < 1:
+            raise click.UsageError("--steps must be >= 1")
+        workload = dataclasses.replace(workload, steps=steps)
+    if time_scale is not None:
+        if time_scale <= 0:
+            raise click.UsageError("--time-scale must be > 0")
+        workload = dataclasses.replace(workload, time_scale=time_scale)
+    options = {"consolidate_batch": consolidate_batch} if consolidate_batch else None
+    console.print(f"workload {workload.name}: {workload.cells} cells, {workload.steps} steps, "
+                  f"{workload.executions_per_step} executions per step, time scale x{workload.time_scale:g} (emulated)")
+    out = run_bench(workload, parsed or None, chosen, options, log=console.print)
+    console.print(format_placement(out))
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"figures written to {json_path}")
+
+
+def format_placement(out: dict) -> str:
+    lines = [f"\n{'mode':<10} {'split':>6} {'wall s':>8} {'emulated s':>11} {'util':>6} {'moves':>6} {'migr':>6} "
+             f"{'move->task ms':>14}"]
+    for name, m in out["modes"].items():
+        lat = m["move_to_trainer_task_s"]["median"]
+        lines.append(f"{name:<10} {m['split']:>6} {m['wall_s']:8.1f} {m['emulated_s']:11,.0f} {m['utilization']:6.2f} "
+                     f"{m['moves']:6d} {m['migrations']:6d} {'-' if lat is None else f'{lat * 1000:.1f}':>14}")
+    if "async" in out["modes"] and "splits" in out["modes"]["async"]:
+        tried = ", ".join(f"{k}: {v:,.0f} s" for k, v in out["modes"]["async"]["splits"].items())
+        lines.append(f"async splits tried (emulated): {tried}")
+    lb = out["lower_bound"]
+    lines.append(f"lower bound: {out['lower_bound_s']:,.0f} s emulated (critical path {lb['critical_path_s']:,.0f} s, "
+                 f"total work / cells {lb['total_work_s']:,.0f} s)")
+    for k, v in out["ratios"].items():
+        lines.append(f"{k}: {v:.2f}x")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

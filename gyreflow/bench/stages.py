@@ -1,0 +1,86 @@
+"""The step graph's stages with emulated compute (labelled emulated wherever reported).
+
+Executions are real ``async`` Dask tasks that make every model call through the real router to
+the emulated engines on the cells (so re-routing and migration are the real ones); gradient
+shares and updates are real tasks on trainer cells that wait the modelled time. Nothing else is
+replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+from distributed import get_worker
+
+from gyreflow.bench.workload import ExecutionSpec, Workload
+from gyreflow.cluster.router import Router
+from gyreflow.engine.base import GenerationRequest, SamplingParams
+from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
+
+
+async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
+    """One execution: its calls in order through the router, with the tool latency between them."""
+    router = Router(session=spec.execution_id)
+    t0 = time.time()
+    versions, engines = [], set()
+    try:
+        for i, (tokens, tool_s) in enumerate(spec.calls):
+            req = GenerationRequest(
+                request_id=f"{spec.execution_id}/call-{i}",
+                prompt_ids=np.array([spec.context_tokens(i)], np.int32),
+                params=SamplingParams(max_tokens=int(tokens)),
+                session=spec.execution_id,
+            )
+            res = await router.agenerate(req)
+            if int(res.completion_ids[0]) != int(tokens):
+                raise RuntimeError(f"{req.request_id}: {int(res.completion_ids[0])} tokens generated, {tokens} asked")
+            versions.append(int(res.versions[-1]))
+            engines.add(res.engine)
+            if tool_s > 0:
+                await asyncio.sleep(tool_s / time_scale)
+    finally:
+        await router.aclose()
+    return {"execution_id": spec.execution_id, "tokens": spec.tokens, "calls": spec.num_calls,
+            "min_version": min(versions) if versions else -1, "engines": sorted(engines),
+            "reroutes": router.reroutes, "migrations": router.migrations, "start": t0, "end": time.time()}
+
+
+def emulated_tree(result: dict) -> dict:
+    """An emulated execution's trainable tokens stand for its tree."""
+    return result
+
+
+def emulated_group(results: list[dict]) -> dict:
+    return {"tokens": int(sum(r["tokens"] for r in results)), "min_version": min(r["min_version"] for r in results),
+            "executions": len(results)}
+
+
+def emulated_gradient(group: dict, published: dict, workload: Workload) -> dict:
+    """One group's share of the step's gradient work: ``t`` per trained token on this cell."""
+    start = time.time()
+    time.sleep(workload.train_s_per_token * group["tokens"] / workload.time_scale)
+    return {"tokens": group["tokens"], "version": published["version"], "oldest": group["min_version"],
+            "worker": get_worker().address, "start": start, "end": time.time()}
+
+
+def emulated_update(step: int, shares: list[dict], state: dict, workload: Workload) -> dict:
+    """The optimizer step and weight publication: a fixed cost per step."""
+    start = time.time()
+    time.sleep(workload.cost.step_fixed_s / workload.time_scale)
+    version = state["version"] + 1
+    oldest = min(s["oldest"] for s in shares)
+    return {"version": version, "run": state["run"], "metrics": {
+        "step": step, "trained_tokens": int(sum(s["tokens"] for s in shares)), "max_staleness": version - 1 - oldest,
+        "shares": [{k: s[k] for k in ("worker", "start", "end", "tokens")} for s in shares],
+        "update": {"worker": get_worker().address, "start": start, "end": time.time()}}}
+
+
+def emulated_weights(state: dict) -> dict:
+    return {"version": state["version"], "run": state["run"]}
+
+
+def emulated_publish(published: dict) -> dict:
+    """The cell's emulated engine takes the version (the publication's cost is in the update)."""
+    return get_worker().plugins[ENGINE_PLUGIN].load({}, {}, published["version"])
