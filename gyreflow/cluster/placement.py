@@ -44,7 +44,8 @@ class Cell:
     idle_since: float | None = None
     """For a trainer cell: since when it has had no trainer task (``None`` while it has one)."""
     moving: bool = False
-    """A move of this cell is being applied; policies leave it alone."""
+    """A move of this cell is being applied (``role`` is the one it moves to); policies leave it
+    alone."""
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ class PoolsPlugin(SchedulerPlugin):
         """request id -> cell that imported it in a migration (dropped when its session ends)."""
         self.since: dict[str, float] = {}
         self.idle_since: dict[str, float | None] = {}
-        self.moving: set[str] = set()
+        self.moving: dict[str, str] = {}
+        """Cells whose move is being applied -> the role they are moving to."""
         self.route_waiting = 0
         self.routed = 0
         self.moves_total = 0
@@ -125,7 +126,7 @@ class PoolsPlugin(SchedulerPlugin):
             del self.sessions[s]
         self.since.pop(worker, None)
         self.idle_since.pop(worker, None)
-        self.moving.discard(worker)
+        self.moving.pop(worker, None)
         self.poke()
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
@@ -170,7 +171,7 @@ class PoolsPlugin(SchedulerPlugin):
                 self.idle_since[addr] = self.idle_since.get(addr) or now
             else:
                 self.idle_since[addr] = None
-            cells.append(Cell(addr, role, sessions=per_engine.get(addr, 0) if role == ROLLOUT else 0,
+            cells.append(Cell(addr, self.moving.get(addr, role), sessions=per_engine.get(addr, 0) if role == ROLLOUT else 0,
                               train_tasks=n_train, since=self.since.get(addr, 0.0),
                               idle_since=self.idle_since[addr], moving=addr in self.moving))
         waiting = sum(1 for ts in self.scheduler.unrunnable if _trainer_task(ts))
@@ -277,7 +278,7 @@ class PoolsPlugin(SchedulerPlugin):
         self._account(snap)
         moves = [m for m in self.policy.decide(snap) if m.cell not in self.moving]
         for m in moves:
-            self.moving.add(m.cell)
+            self.moving[m.cell] = m.to
             task = asyncio.create_task(self.apply(m, decided=snap.time))
             self._move_tasks.add(task)
             task.add_done_callback(self._move_tasks.discard)
@@ -312,11 +313,11 @@ class PoolsPlugin(SchedulerPlugin):
         except Exception as err:  # the cell died or refused: it keeps (or loses) its role
             entry["error"] = f"{type(err).__name__}: {err}"
         finally:
-            self.moving.discard(move.cell)
+            self.moving.pop(move.cell, None)
         entry["applied"] = time.time()
+        self.since[move.cell] = entry["applied"]  # an aborted move also waits a dwell before the next try
         if "error" not in entry and not entry.get("aborted"):
             self.moves_total += 1
-            self.since[move.cell] = entry["applied"]
             self.idle_since[move.cell] = None
         self.move_log.append(entry)
         self.scheduler.log_event("gyreflow-moves", entry)
@@ -336,7 +337,9 @@ class PoolsPlugin(SchedulerPlugin):
         # Spread by spare room: a cell appears once per session it has fewer than the busiest.
         top = max(load.values())
         destinations = [a for a in sorted(others, key=lambda a: load[a]) for _ in range(top - load[a] + 1)]
+        t0 = time.time()
         drained = await self.scheduler.rpc(addr).gyreflow_drain(destinations=destinations)
+        t1 = time.time()
         if drained.get("kept"):
             return {"aborted": f"{drained['kept']} generations could not move"}
         for session in [s for s, e in self.sessions.items() if e == addr]:
@@ -349,8 +352,9 @@ class PoolsPlugin(SchedulerPlugin):
         if "error" in out:
             raise RuntimeError(out["error"])
         self._schedule_unrunnable(addr)
+        self._rebalance_trainer_tasks()  # queued shares elsewhere come over now, not at the next tick
         return {"migrated": len(drained.get("moved", {})), "migration_s": drained.get("seconds", 0.0),
-                "bytes": drained.get("bytes", 0)}
+                "drain_s": t1 - t0, "role_s": time.time() - t1, "bytes": drained.get("bytes", 0)}
 
     async def _to_rollout(self, addr: str) -> dict:
         if self._train_tasks(addr):
