@@ -227,6 +227,92 @@ def bench_placement(workload_name, modes, splits, steps, time_scale, consolidate
         console.print(f"figures written to {json_path}")
 
 
+@bench.command("modes")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
+@click.option("--cells", type=int, default=3, show_default=True, help="Cells of the embedded cluster.")
+@click.option("--out", type=click.Path(file_okay=False), default="storage/bench-modes", show_default=True,
+              help="Parent directory of the three runs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_modes(config_path, overrides, cells, out, json_path) -> None:
+    """The grpo pipeline with real compute (torch engine) in each placement mode, side by side."""
+    import json
+    import shutil
+
+    from distributed import Client
+
+    from gyreflow.cluster.local import PoolSpec, local_cluster
+    from gyreflow.config import ConfigError, load_config
+
+    _quiet()
+    if cells < 2:
+        raise click.UsageError("--cells must be >= 2 (one rollout and one trainer cell at least)")
+    pipeline = find_pipeline("grpo")
+    figures = {}
+    for mode in ("colocated", "async", "elastic"):
+        trainer = 0 if mode == "colocated" else 1
+        try:
+            cfg = load_config(config_path, [*overrides, f"cluster.placement={mode}",
+                                            f"cluster.rollout_workers={cells - trainer}", f"cluster.trainer_workers={trainer}",
+                                            *(["rl.staleness=0"] if mode == "colocated" else [])])
+        except ConfigError as err:
+            raise click.UsageError(f"invalid config: {err}") from None
+        run_dir = Path(out, mode)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        console.print(f"{mode}: {cells - trainer} rollout + {trainer} trainer cells ...")
+        spec = PoolSpec(rollout=cells - trainer, trainer=trainer, execution_slots=cfg.cluster.execution_slots)
+        with local_cluster(spec) as cluster, Client(cluster) as client:
+            report = pipeline.run(client, cfg, run_dir, log=lambda *_: None, cache_dir=Path("storage/sft-cache"))
+        placement = report.get("placement", {})
+        figures[mode] = {"wall_s": report["total_wall_s"], "rl_wall_s": sum(s["wall_s"] for s in report["steps"]),
+                         "moves": placement.get("moves", 0), "migrations": placement.get("migrations", 0),
+                         "heldout_pass_rate": [report["initial_heldout_pass_rate"]] + [s["heldout_pass_rate"] for s in report["steps"]],
+                         "max_staleness": max(s["max_staleness"] for s in report["steps"])}
+        console.print(f"  {mode}: RL steps {figures[mode]['rl_wall_s']:.1f}s  moves {figures[mode]['moves']}  "
+                      f"migrations {figures[mode]['migrations']}  held-out pass "
+                      f"{figures[mode]['heldout_pass_rate'][0]:.3f} -> {figures[mode]['heldout_pass_rate'][-1]:.3f}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+@bench.command("migration")
+@click.option("--context", type=int, default=2000, show_default=True, help="Tokens of the live generation moved.")
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_migration(context, repeats, json_path) -> None:
+    """Resuming a migrated live generation vs re-prefilling it on the destination (torch engine)."""
+    from gyreflow.bench.migration import main as migration_main
+
+    _quiet()
+    if context < 64 or repeats < 1:
+        raise click.UsageError("--context must be >= 64 and --repeats >= 1")
+    migration_main(["--context", str(context), "--repeats", str(repeats), "--larger", "0",
+                    *(["--json", json_path] if json_path else [])])
+
+
+@bench.command("move-latency")
+@click.option("--rounds", type=int, default=10, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_move_latency(rounds, json_path) -> None:
+    """From a move decision to a trainer task executing on the moved cell."""
+    import json
+
+    from gyreflow.bench.latency import run_latency_bench
+
+    _quiet()
+    if rounds < 1:
+        raise click.UsageError("--rounds must be >= 1")
+    out = run_latency_bench(rounds=rounds, log=console.print)
+    med = out["move_to_task_median_s"]
+    console.print(f"move decision -> trainer task executing on the moved cell: median "
+                  f"{'-' if med is None else f'{med * 1000:.1f} ms'} over {out['measured']} moves "
+                  f"(max {(out['move_to_task_max_s'] or 0) * 1000:.1f} ms); submit -> start on an idle trainer cell: "
+                  f"{out['submit_to_start_median_s'] * 1000:.1f} ms")
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+
+
 def format_placement(out: dict) -> str:
     lines = [f"\n{'mode':<10} {'split':>6} {'wall s':>8} {'emulated s':>11} {'util':>6} {'moves':>6} {'migr':>6} "
              f"{'move->task ms':>14}"]

@@ -85,7 +85,7 @@ class ClusterConfig:
     """Cells that start in the rollout pool (one engine each)."""
     trainer_workers: int = 1
     """Cells that start in the trainer pool (``colocated`` may start with 0)."""
-    consolidate_batch: int = 16
+    consolidate_batch: int = 32
     """``elastic``: live executions one rollout cell keeps when cells are taken for training."""
     execution_slots: int = 128
     """Concurrent executions (threads of the execution worker)."""

@@ -143,7 +143,7 @@ class ElasticPolicy:
         A trainer cell without a task for this long goes back to rollout when it is not needed.
     """
 
-    consolidate_batch: int = 16
+    consolidate_batch: int = 32
     min_rollout: int = 1
     min_trainer: int = 1
     dwell_s: float = 0.05
