@@ -98,7 +98,9 @@ def run(pipeline_name, config_path, overrides, out, scheduler, sft_cache) -> Non
         console.print(f"[red]error:[/red] {err}")
         sys.exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"dashboard: {client.dashboard_link}")
+    from gyreflow.cluster.dashboard import dashboard_link
+
+    console.print(f"dashboard: {client.dashboard_link}  (pools: {dashboard_link(client) or 'no dashboard'})")
     console.print(f"run directory: {run_dir}")
     code = 0
     try:

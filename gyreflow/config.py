@@ -69,6 +69,8 @@ class RLConfig:
     """PPO clip range."""
     staleness: int = 1
     """Most versions a trained token may lag the weights being updated; 0 is on-policy."""
+    shares_per_group: int = 1
+    """Gradient tasks per group (token-balanced parts of its paths), which trainer cells share."""
     seed: int = 0
     """Seed of task choice and sampling."""
 
@@ -136,6 +138,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.rl.samples_per_task < 2:
         raise ConfigError(f"rl.samples_per_task must be >= 2 (group-relative advantages), got {cfg.rl.samples_per_task}")
     _positive("rl.staleness", cfg.rl.staleness, allow_zero=True)
+    _positive("rl.shares_per_group", cfg.rl.shares_per_group)
     _positive("rl.clip_eps", cfg.rl.clip_eps)
     _positive("task.horizon", cfg.task.horizon)
     _positive("task.spare_calls", cfg.task.spare_calls, allow_zero=True)

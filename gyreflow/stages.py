@@ -123,11 +123,25 @@ def weights_of(state: dict) -> dict:
     return {k: state[k] for k in ("hf_config", "weights", "version", "optim", "run")}
 
 
-def gradient_share(group: dict, published: dict, loss: str, loss_kwargs: dict) -> dict:
-    """The gradient of one group's paths at the ``published`` weights: one share of a step's
-    gradient work. Runs on any trainer cell, so a cell that joins mid-step takes shares too."""
+def partition(sizes: list[int], parts: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into ``parts`` token-balanced bins (longest first into the lightest
+    bin; deterministic)."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        b = min(range(parts), key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += sizes[i]
+    return bins
+
+
+def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str, loss_kwargs: dict) -> dict:
+    """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
+    weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
+    mid-step takes shares too."""
     trainer = get_worker().plugins[TRAINER_PLUGIN].at(published)
-    samples = [s for s in group["samples"] if s.trained.any()]
+    trainable = [s for s in group["samples"] if s.trained.any()]
+    samples = [trainable[i] for i in partition([int(s.trained.sum()) for s in trainable], shares)[j]]
     t0 = time.time()
     out = trainer.gradients(samples, loss, **loss_kwargs)
     out["train_s"] = time.time() - t0

@@ -4,7 +4,7 @@ update, and the publication of a weights version to the cells.
     execution-<step>-<task>-<sample>   execution slot   an agent run; its calls go through the router
     tree-<execution>                   execution slot   calls merged into a prefix-sharing tree
     advantages-<step>-<task>           execution slot   group-relative advantages of one task
-    grad-<step>-<task>                 trainer cell     one group's share of the step's gradient
+    grad-<step>-<task>-<j>             trainer cell     share j of a group's part of the step's gradient
     update-<step>                      trainer cell     the optimizer step -> the next RL state
     weights-v<version>                 anywhere         the state's weights, without optimizer state
     publish-v<version>-<cell>          that cell        the cell's engine installs the weights
@@ -42,7 +42,8 @@ class Stages:
     advantages: Callable[..., dict]
     """``advantages(trees, *advantage_args) -> group``."""
     gradient: Callable[..., dict]
-    """``gradient(group, published, *gradient_args) -> share``."""
+    """``gradient(group, published, j, shares, *gradient_args) -> share``: the gradient of the
+    ``j``-th of ``shares`` token-balanced parts of the group."""
     update: Callable[[int, list, dict], dict]
     """``update(step, shares, state) -> state``."""
     weights: Callable[[dict], dict]
@@ -74,9 +75,12 @@ class StepFutures:
 
 
 def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stages, state: Future,
-                published: Future, advantage_args: tuple = (), gradient_args: tuple = ()) -> StepFutures:
+                published: Future, advantage_args: tuple = (), gradient_args: tuple = (),
+                shares_per_group: int = 1) -> StepFutures:
     """Submit one step's tasks; ``state``/``published``: the RL state the step updates and its
-    weights (the futures of the previous step, or of the warm start)."""
+    weights (the futures of the previous step, or of the warm start). Each group's gradient work
+    is cut into ``shares_per_group`` tasks, so the group of the step's last execution is trained
+    by several cells at once."""
     executions, trees, group_futs, shares = [], [], [], []
     for g in groups:
         group_trees = []
@@ -88,8 +92,9 @@ def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stag
         adv = client.submit(stages.advantages, group_trees, *advantage_args, key=f"advantages-{step}-{g.task_id}",
                             resources=SLOT)
         group_futs.append(adv)
-        shares.append(client.submit(stages.gradient, adv, published, *gradient_args, key=f"grad-{step}-{g.task_id}",
-                                    resources=TRAIN))
+        shares.extend(client.submit(stages.gradient, adv, published, j, shares_per_group, *gradient_args,
+                                    key=f"grad-{step}-{g.task_id}-{j}", resources=TRAIN)
+                      for j in range(shares_per_group))
     update = client.submit(stages.update, step, shares, state, key=f"update-{step}", resources=TRAIN)
     nxt = client.submit(stages.weights, update, key=f"weights-v{step + 1}")
     return StepFutures(step, executions, trees, group_futs, shares, update, nxt)

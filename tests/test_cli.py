@@ -103,3 +103,38 @@ def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
             ex = group[f"executions/{eid}"]
             assert ex.attrs["complete"] is True
             assert ex["completion_offsets"].shape[0] == ex.attrs["n_calls"] + 1
+
+
+def test_pool_configs_that_cannot_work_are_refused(tmp_path):
+    out = tmp_path / "run"
+    p = run_cli("run", "--out", str(out), "--set", "cluster.placement=sometimes")
+    assert p.returncode == 2 and "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic" in p.stderr
+    p = run_cli("run", "--out", str(out), "--set", "cluster.rollout_workers=0")
+    assert p.returncode == 2 and "cluster.rollout_workers must be >= 1" in p.stderr
+    assert not out.exists()
+
+
+def test_more_cells_than_the_cluster_has_is_refused(tmp_path):
+    from distributed import Client
+
+    from gyreflow.cluster.local import PoolSpec, local_cluster
+
+    with local_cluster(PoolSpec(rollout=1, trainer=1, execution_slots=2)) as cluster, Client(cluster) as client:
+        addr = client.scheduler.address
+        p = run_cli("run", "--out", str(tmp_path / "run"), "--scheduler", addr, "--set", "cluster.rollout_workers=3")
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "asks for 4 cells (3 rollout + 1 trainer) but the cluster has 2" in p.stdout
+        assert not client.futures  # nothing was submitted
+
+
+def test_bench_placement_bad_input(tmp_path):
+    p = run_cli("bench", "placement", "--modes", "elastic,fast")
+    assert p.returncode == 2 and "unknown mode(s) 'fast'" in p.stderr
+    p = run_cli("bench", "placement", "--workload", str(tmp_path / "none.json"))
+    assert p.returncode == 2 and "none.json" in p.stderr
+    p = run_cli("bench", "placement", "--split", "9:9")
+    assert p.returncode == 2 and "sum to the workload's 8 cells" in p.stderr
+    bad = tmp_path / "w.json"
+    bad.write_text(json.dumps({"name": "w"}))
+    p = run_cli("bench", "placement", "--workload", str(bad))
+    assert p.returncode == 2 and "w.json" in p.stderr

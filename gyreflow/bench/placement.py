@@ -52,7 +52,7 @@ def default_splits(cells: int) -> list[tuple[int, int]]:
 
 
 def run_mode(workload: Workload, mode: str, rollout: int, trainer: int, placement_options: dict | None = None,
-             log=print) -> dict:
+             log=print, shares_per_group: int = 8) -> dict:
     """One mode on a fresh cluster; the figures of :func:`summarise`."""
     staleness = 0 if mode == "colocated" else workload.staleness
     slots = workload.executions_per_step * (staleness + 2)
@@ -81,7 +81,7 @@ def run_mode(workload: Workload, mode: str, rollout: int, trainer: int, placemen
             for ex in workload.executions(step):
                 by_task.setdefault(ex.task, []).append((ex.execution_id, (ex, workload.time_scale)))
             groups = [Group(f"t{t}", specs) for t, specs in sorted(by_task.items())]
-            sf = submit_step(client, step, groups, stages, state, published)
+            sf = submit_step(client, step, groups, stages, state, published, shares_per_group=shares_per_group)
             in_flight.append(sf)
             executions.extend(sf.executions)
             state, published = sf.update, sf.published

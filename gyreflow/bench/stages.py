@@ -57,11 +57,13 @@ def emulated_group(results: list[dict]) -> dict:
             "executions": len(results)}
 
 
-def emulated_gradient(group: dict, published: dict, workload: Workload) -> dict:
-    """One group's share of the step's gradient work: ``t`` per trained token on this cell."""
+def emulated_gradient(group: dict, published: dict, j: int, shares: int, workload: Workload) -> dict:
+    """Share ``j`` of ``shares`` of one group's gradient work: ``t`` per trained token on this cell
+    (the group's tokens cut evenly, as sequence-parallel training of long paths would)."""
     start = time.time()
-    time.sleep(workload.train_s_per_token * group["tokens"] / workload.time_scale)
-    return {"tokens": group["tokens"], "version": published["version"], "oldest": group["min_version"],
+    tokens = group["tokens"] // shares + (group["tokens"] % shares if j == 0 else 0)
+    time.sleep(workload.train_s_per_token * tokens / workload.time_scale)
+    return {"tokens": tokens, "version": published["version"], "oldest": group["min_version"],
             "worker": get_worker().address, "start": start, "end": time.time()}
 
 

@@ -1,0 +1,75 @@
+"""A step's gradient work split into shares gives the very update of training it at once."""
+
+import numpy as np
+import pytest
+import torch
+
+from gyreflow.model.policy import ModelConfig, build_policy
+from gyreflow.stages import partition
+from gyreflow.train.packing import PathSample
+from gyreflow.train.trainer import OptimConfig, Trainer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def samples(n: int, seed: int) -> list[PathSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(6, 40))
+        trained = np.zeros(L, bool)
+        trained[L // 2:] = True
+        out.append(PathSample(rng.integers(0, 256, L).astype(np.int32), trained,
+                              np.where(trained, rng.normal(-3, 0.5, L), 0).astype(np.float32),
+                              np.where(trained, 3, -1).astype(np.int32), float(rng.normal())))
+    return out
+
+
+def test_partition_is_balanced_and_complete():
+    sizes = [50, 10, 40, 30, 20, 5, 5]
+    bins = partition(sizes, 3)
+    assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+    loads = [sum(sizes[i] for i in b) for b in bins]
+    assert max(loads) - min(loads) <= 10
+    assert partition(sizes, 3) == bins  # deterministic
+    assert partition([7], 3) == [[0], [], []]
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_shares_then_update_equals_one_step(parts):
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    data = samples(7, 0)
+    whole = Trainer(build_policy(cfg, seed=1), OptimConfig(lr=1e-2), version=3)
+    split = Trainer(build_policy(cfg, seed=1), OptimConfig(lr=1e-2), version=3)
+    ref = whole.rl_step(data, "ppo_clip", clip_eps=0.2)
+    bins = partition([int(s.trained.sum()) for s in data], parts)
+    before = [p.detach().clone() for p in split.model.parameters()]
+    shares = [split.gradients([data[i] for i in b], "ppo_clip", clip_eps=0.2) for b in bins]
+    # Computing shares leaves the replica and its version untouched.
+    assert split.version == 3 and all(torch.equal(a, p) for a, p in zip(before, split.model.parameters()))
+    got = split.apply_gradients(shares)
+    assert got["version"] == ref["version"] == 4 and got["trained_tokens"] == ref["trained_tokens"]
+    assert got["max_staleness"] == ref["max_staleness"] == 0
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for k in ("clip_frac", "approx_kl"):
+        if k in ref:
+            assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7)
+    # The (clipped) gradient each update applied is the same; Adam's first step divides by |g|,
+    # so weights are compared through the gradients rather than element by element.
+    for (name, a), b in zip(whole.model.named_parameters(), split.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_share_at_another_version_is_refused():
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    t = Trainer(build_policy(cfg, seed=1), OptimConfig(), version=2)
+    share = t.gradients(samples(2, 1), "reinforce")
+    t.version = 3
+    with pytest.raises(ValueError, match="computed at version 2, the trainer is at 3"):
+        t.apply_gradients([share])
