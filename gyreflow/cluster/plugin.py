@@ -209,10 +209,11 @@ class PoolsPlugin(SchedulerPlugin):
         return {"engine": chosen}
 
     def release(self, session: str) -> None:
-        """The session ended (or must be routed afresh): forget its route."""
+        """The session ended (or must be routed afresh): forget its route, and where migrations took
+        its requests (ids ``<session>`` or ``<session>/...``; not those of a session ``<session>0``)."""
         if self.sessions.pop(session, None) is not None:
             self.poke()
-        for rid in [r for r in self.located if r.startswith(session)]:
+        for rid in [r for r in self.located if r == session or r.startswith(f"{session}/")]:
             del self.located[rid]
 
     def locate(self, request_id: str) -> dict:
@@ -303,7 +304,9 @@ class PoolsPlugin(SchedulerPlugin):
             })
 
     async def apply(self, move: Move, decided: float) -> dict:
-        """Carry out one move; the cell stays out of routing and decisions meanwhile."""
+        """Carry out one move; the cell stays out of routing and decisions meanwhile (also when
+        the move comes from elsewhere than the control loop, e.g. a benchmark or a test)."""
+        self.moving.setdefault(move.cell, move.to)
         entry = {"cell": move.cell, "to": move.to, "reason": move.reason, "decided": decided}
         try:
             if move.to == TRAINER:
