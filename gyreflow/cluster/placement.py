@@ -58,6 +58,8 @@ class PoolSnapshot:
     """Trainer tasks ready to run that no cell holds (``no-worker``)."""
     route_waiting: int = 0
     """Executions waiting for any engine (the rollout pool is empty)."""
+    train_backlog_s: float = 0.0
+    """Predicted seconds of the trainer tasks ready or running (from Dask's duration estimates)."""
 
     def role(self, role: str) -> list[Cell]:
         return [c for c in self.cells if c.role == role]
@@ -126,54 +128,68 @@ class ColocatedPolicy:
 
 @dataclass(frozen=True)
 class ElasticPolicy:
-    """``elastic``: as many trainer cells as there is ready training work, the rest roll out.
+    """``elastic``: rollout cells for the live executions, every other cell for the ready training.
+
+    Rollout needs ``ceil(executions / consolidate_batch)`` cells. When training work is ready, cells
+    beyond that need move to the trainer pool, as many as the backlog can keep busy for
+    ``drain_s`` (each move costs a migration, so a short burst of work does not take a cell). A
+    trainer cell goes back as soon as rollout lacks capacity, or after ``idle_s`` without work
+    when rollout cells are crowded (more than ``spread_batch`` executions each: spreading them
+    makes every generation faster, decode being memory-bound).
 
     Parameters
     ----------
     consolidate_batch
-        Live executions one rollout cell should serve when cells are taken for training. Fewer
-        per cell keeps each generation fast (decode is memory-bound, so a small batch runs faster
-        per generation); more frees more cells.
+        Live executions one rollout cell may hold when cells are taken for training.
+    drain_s
+        The backlog a cell taken for training should have at least (seconds of work per cell).
+    spread_batch
+        Executions per rollout cell above which an idle trainer cell returns to rollout.
     min_rollout, min_trainer
-        Cells that always keep each role (a trainer cell ready for the first gradient task saves a
-        move on the critical path).
+        Cells that always keep each role (a trainer cell ready for the first gradient share saves
+        a move on the critical path).
     dwell_s
         A cell keeps a new role at least this long (no flapping).
     idle_s
-        A trainer cell without a task for this long goes back to rollout when it is not needed.
+        A trainer cell without work this long may return to rollout.
     """
 
     consolidate_batch: int = 32
+    drain_s: float = 1.0
+    spread_batch: int = 8
     min_rollout: int = 1
     min_trainer: int = 1
-    dwell_s: float = 0.05
-    idle_s: float = 0.02
+    dwell_s: float = 0.25
+    idle_s: float = 1.0
     name: str = "elastic"
 
     def decide(self, snap: PoolSnapshot) -> list[Move]:
         rollout, trainer = snap.role(ROLLOUT), snap.role(TRAINER)
         n = len(snap.cells)
-        need_rollout = max(self.min_rollout, math.ceil(snap.sessions / self.consolidate_batch))
-        work = snap.train_work
-        want_trainer = max(self.min_trainer, min(work, n - need_rollout))
+        sessions = snap.sessions
+        need_rollout = min(n - self.min_trainer, max(self.min_rollout, math.ceil(sessions / self.consolidate_batch)))
         settled = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
-        moves: list[Move] = []
-        if want_trainer > len(trainer):
-            # The cells with the fewest live executions go: the least to migrate.
-            free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
-            room = len(rollout) - self.min_rollout
-            for c in free[: max(0, min(want_trainer - len(trainer), room))]:
-                moves.append(Move(c.address, TRAINER, f"{work} trainer tasks ready, {snap.sessions} executions live"))
-        elif want_trainer < len(trainer):
-            idle = sorted(
-                (c for c in settled if c.role == TRAINER and c.train_tasks == 0 and c.idle_since is not None
-                 and snap.time - c.idle_since >= self.idle_s),
-                key=lambda c: c.address,
-            )
-            room = len(trainer) - self.min_trainer
-            for c in idle[: max(0, min(len(trainer) - want_trainer, room))]:
-                moves.append(Move(c.address, ROLLOUT, f"{work} trainer tasks for {len(trainer)} trainer cells"))
-        return moves
+        idle = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0), key=lambda c: c.address)
+        spare_trainers = len(trainer) - self.min_trainer
+        if need_rollout > len(rollout):
+            k = min(need_rollout - len(rollout), spare_trainers)
+            return [Move(c.address, ROLLOUT, f"{sessions} executions need {need_rollout} rollout cells")
+                    for c in idle[: max(0, k)]]
+        if snap.train_work > 0:
+            want = min(n - need_rollout, max(self.min_trainer, math.ceil(snap.train_backlog_s / self.drain_s)))
+            if want > len(trainer):
+                # The cells with the fewest live executions go: the least to migrate.
+                free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
+                k = min(want - len(trainer), len(rollout) - need_rollout)
+                return [Move(c.address, TRAINER, f"{snap.train_backlog_s:.1f}s of training ready for "
+                             f"{len(trainer)} trainer cells, {sessions} executions live") for c in free[: max(0, k)]]
+            return []
+        crowded = rollout and sessions / len(rollout) > self.spread_batch
+        long_idle = [c for c in idle if c.idle_since is not None and snap.time - c.idle_since >= self.idle_s]
+        if crowded and long_idle and spare_trainers > 0:
+            return [Move(long_idle[0].address, ROLLOUT, f"no training ready; {sessions} executions on "
+                                                        f"{len(rollout)} rollout cells")]
+        return []
 
 
 PLACEMENTS.register("async")(StaticPolicy)

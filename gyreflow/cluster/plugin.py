@@ -174,8 +174,11 @@ class PoolsPlugin(SchedulerPlugin):
             cells.append(Cell(addr, self.moving.get(addr, role), sessions=per_engine.get(addr, 0) if role == ROLLOUT else 0,
                               train_tasks=n_train, since=self.since.get(addr, 0.0),
                               idle_since=self.idle_since[addr], moving=addr in self.moving))
-        waiting = sum(1 for ts in self.scheduler.unrunnable if _trainer_task(ts))
-        return PoolSnapshot(time=now, cells=tuple(cells), train_waiting=waiting, route_waiting=self.route_waiting)
+        waiting = [ts for ts in self.scheduler.unrunnable if _trainer_task(ts)]
+        ready = waiting + [ts for addr in self.roles() for ts in self._train_tasks(addr)]
+        backlog = sum(self.scheduler._get_prefix_duration(ts.prefix) for ts in ready)
+        return PoolSnapshot(time=now, cells=tuple(cells), train_waiting=len(waiting), route_waiting=self.route_waiting,
+                            train_backlog_s=backlog)
 
     # ------------------------------------------------------------------ routing RPCs
 

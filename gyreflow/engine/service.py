@@ -179,14 +179,23 @@ class EngineService(WorkerPlugin):
         if self.runner is None:
             return {"moved": {}, "bytes": 0, "seconds": 0.0}
         loop = asyncio.get_running_loop()
-        states, where = [], {}
-        for rid in self.runner.engine.request_ids():
-            # Created before the export, so the request's waiting reply can follow it.
-            where[rid] = self._moves[rid] = loop.create_future()
-            try:
-                states.append(await loop.run_in_executor(None, self.runner.export_request, rid))
-            except KeyError:  # finished meanwhile
-                del self._moves[rid], where[rid]
+        ids = self.runner.engine.request_ids()
+        # Created before the export, so each request's waiting reply can follow it.
+        where = {rid: loop.create_future() for rid in ids}
+        self._moves.update(where)
+
+        def export_all() -> list:
+            out = []
+            for rid in ids:
+                try:
+                    out.append(self.runner.export_request(rid))
+                except KeyError:  # finished meanwhile
+                    pass
+            return out
+
+        states = await loop.run_in_executor(None, export_all)
+        for rid in set(ids) - {st.request_id for st in states}:
+            del self._moves[rid], where[rid]
         plan: dict[str, list] = {d: [] for d in destinations}
         for i, state in enumerate(states):
             if destinations:
