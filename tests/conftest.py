@@ -29,6 +29,17 @@ TINY_OVERRIDES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny models gain nothing from intra-op threads, and they stall on a busy CPU box."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny_overrides():
     return list(TINY_OVERRIDES)

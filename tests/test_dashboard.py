@@ -17,6 +17,7 @@ from gyreflow.cluster.pools import ROLLOUT, TRAINER
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from support import wait_for
 
 
 def fetch(url: str, timeout: float = 10.0) -> tuple[int, str, str]:
@@ -40,16 +41,6 @@ def gyreflow_samples(base: str, scheduler: str) -> dict[tuple, float]:
                 out[(s.name, *labels)] = s.value
     return out
 
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

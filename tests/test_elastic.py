@@ -28,6 +28,7 @@ from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingPa
 from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
 from gyreflow.stages import publish_weights
+from support import wait_for
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
 ENGINE_OPTIONS = {"max_batch": 8, "max_seq_len": 1024}
@@ -43,11 +44,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +100,6 @@ def request(rid: str, n: int, seed: int, session: str | None = None, max_tokens:
 
 # ---------------------------------------------------------------------------- cluster helpers
 
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
 
 
 def addresses(client: Client) -> dict[str, str]:

@@ -40,12 +40,8 @@ TINY = ModelConfig(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model gains nothing from intra-op threads, and they stall on a busy CPU box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +258,21 @@ class EngineTests:
             engine.load_weights(weights, version=1)
 
     # 6. stopping and sampling
+
+    def test_priority_orders_admission(self, model):
+        # One batch slot: waiting requests are admitted lowest priority first, ties in arrival order.
+        engine = self.make_engine(model, max_batch=1)
+        reqs = [req(name, 5, i, max_tokens=3) for i, name in enumerate("abcd")]
+        for r, p in zip(reqs, (5.0, 1.0, 3.0, 1.0)):
+            r.priority = p
+        futures = {r.request_id: engine.submit(r) for r in reqs}
+        order = []
+        for _ in range(200):
+            engine.step()
+            order += [k for k, f in futures.items() if f.done() and k not in order]
+            if len(order) == 4:
+                break
+        assert order == ["b", "d", "c", "a"]
 
     def test_max_tokens(self, model):
         r = generate(self.make_engine(model), [req("len", 5, 12, max_tokens=7)])[0]

@@ -121,3 +121,19 @@ def test_colocated_phases():
     assert targets(p.decide(s)) == {"a": ROLLOUT, "b": ROLLOUT}
     # Nothing to do: nothing moves.
     assert p.decide(snap(cell("a", ROLLOUT), cell("b", TRAINER))) == []
+
+
+def test_sessions_rebalance_onto_engines_that_joined():
+    from gyreflow.cluster.policy import RouteSnapshot, rebalance_sessions
+
+    # 12 sessions crowd engine a; b and c just joined the rollout pool.
+    sessions = {f"s{i}": "a" for i in range(12)}
+    priority = {f"s{i}": float(i) for i in range(12)}  # s11 is the youngest
+    moves = rebalance_sessions(RouteSnapshot(("a", "b", "c"), sessions), priority, slack=1)
+    assert len(moves) == 8 and all(src == "a" for _, src, _ in moves)
+    moved = {s for s, _, _ in moves}
+    assert moved == {f"s{i}" for i in range(4, 12)}  # the youngest go, the oldest stay
+    assert sorted(dst for _, _, dst in moves).count("b") == 4
+    # Balanced already (within the slack): nothing moves; a lone engine: nothing moves.
+    assert rebalance_sessions(RouteSnapshot(("a", "b"), {"x": "a", "y": "a", "z": "b"}), {}, slack=1) == []
+    assert rebalance_sessions(RouteSnapshot(("a",), sessions), priority) == []

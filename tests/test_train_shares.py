@@ -10,12 +10,9 @@ from gyreflow.train.packing import PathSample
 from gyreflow.train.trainer import OptimConfig, Trainer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread(one_torch_thread):
+    pass
 
 
 def samples(n: int, seed: int) -> list[PathSample]:

@@ -67,8 +67,11 @@ from gyreflow.engine.base import (
     GenerationRequest,
     GenerationResult,
     LiveRequestState,
+    IMPORTED_PRIORITY,
     RequestExported,
     SamplingParams,
+    WorkSignal,
+    take_next,
 )
 
 _TOKEN_EPS = 1e-6
@@ -98,6 +101,8 @@ class _Req:
     prefix_reused: int = 0
     ready_at: float = 0.0
     """Emulated time its hand-off ends (imported requests)."""
+    priority: float = 0.0
+    """Admission order (see :attr:`GenerationRequest.priority`)."""
 
     @property
     def seq_tokens(self) -> int:
@@ -105,7 +110,7 @@ class _Req:
         return self.context + int(math.floor(self.done + _TOKEN_EPS))
 
 
-class EmulatedEngine:
+class EmulatedEngine(WorkSignal):
     """An engine that emulates a rollout cell by the cost model (see the module docstring).
 
     Parameters
@@ -196,7 +201,7 @@ class EmulatedEngine:
             raise ValueError(f"request {request.request_id!r}: max_tokens must be at least 1")
         req = _Req(
             request.request_id, context, int(request.params.max_tokens), request.params, request.session,
-            Future(), self.version,
+            Future(), self.version, priority=float(request.priority),
         )  # fmt: skip
         with self._work:
             self._sync()  # time so far belongs to the requests already here
@@ -230,6 +235,7 @@ class EmulatedEngine:
             done=float(done),
             kv_tokens=int(np.asarray(state.kv).nbytes // self.cost.kv_bytes_per_token),
             prefix_reused=int(state.prefix_reused),
+            priority=IMPORTED_PRIORITY,
         )
         with self._work:
             self._sync()
@@ -324,19 +330,6 @@ class EmulatedEngine:
     def has_work(self) -> bool:
         """Whether ``step`` would do anything: live, waiting or arriving requests, or staged weights."""
         return bool(self._live or self._waiting or self._arriving or self._staged is not None)
-
-    def wait_for_work(self, timeout: float | None = None) -> bool:
-        """Block until there is work (see :meth:`has_work`), :meth:`wake` or ``timeout``."""
-        with self._work:
-            if self.has_work():
-                return True
-            self._work.wait(timeout)
-            return self.has_work()
-
-    def wake(self) -> None:
-        """Wake every thread in :meth:`wait_for_work` or in a step's sleep."""
-        with self._work:
-            self._work.notify_all()
 
     def step(self) -> int:
         """Catch up with the real clock, apply staged weights, then sleep until the next event.
@@ -465,7 +458,7 @@ class EmulatedEngine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._live) < self.max_batch:
-            r = self._waiting.popleft()
+            r = take_next(self._waiting)
             seq = r.seq_tokens
             if r.kv_tokens == 0 and r.session is not None and r.done == 0:
                 reuse = min(self._sessions.get(r.session, 0), r.context)

@@ -161,6 +161,7 @@ class ElasticPolicy:
     min_trainer: int = 1
     dwell_s: float = 0.25
     idle_s: float = 1.0
+    rollout_first: bool = True
     name: str = "elastic"
 
     def decide(self, snap: PoolSnapshot) -> list[Move]:
@@ -176,11 +177,12 @@ class ElasticPolicy:
             return [Move(c.address, ROLLOUT, f"{sessions} executions need {need_rollout} rollout cells")
                     for c in idle[: max(0, k)]]
         if snap.train_work > 0:
-            want = min(n - need_rollout, max(self.min_trainer, math.ceil(snap.train_backlog_s / self.drain_s)))
+            floor = need_rollout if self.rollout_first else self.min_rollout
+            want = min(n - floor, max(self.min_trainer, math.ceil(snap.train_backlog_s / self.drain_s)))
             if want > len(trainer):
                 # The cells with the fewest live executions go: the least to migrate.
                 free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
-                k = min(want - len(trainer), len(rollout) - need_rollout)
+                k = min(want - len(trainer), len(rollout) - floor)
                 return [Move(c.address, TRAINER, f"{snap.train_backlog_s:.1f}s of training ready for "
                              f"{len(trainer)} trainer cells, {sessions} executions live") for c in free[: max(0, k)]]
             return []

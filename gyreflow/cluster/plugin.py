@@ -27,7 +27,7 @@ from collections import deque
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from gyreflow.cluster.placement import Cell, Move, PlacementPolicy, PoolSnapshot, make_policy
-from gyreflow.cluster.policy import RouteSnapshot, choose_engine
+from gyreflow.cluster.policy import RouteSnapshot, choose_engine, rebalance_sessions
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 
 log = logging.getLogger(__name__)
@@ -51,18 +51,24 @@ class PoolsPlugin(SchedulerPlugin):
         Seconds between policy ticks when nothing wakes the loop earlier.
     history_s
         Seconds between the samples kept for the dashboard.
+    rebalance_s
+        Seconds between re-balancings of sessions across the rollout engines.
     """
 
     name = PLUGIN_NAME
 
     def __init__(self, mode: str = "async", options: dict | None = None, interval: float = 0.05,
-                 history_s: float = 0.25, history_len: int = 4000) -> None:
+                 history_s: float = 0.25, history_len: int = 4000, rebalance_s: float = 0.25) -> None:
         self.mode, self.options = mode, dict(options or {})
         self.policy: PlacementPolicy = make_policy(mode, **self.options)
-        self.interval, self.history_s = interval, history_s
+        self.interval, self.history_s, self.rebalance_s = interval, history_s, rebalance_s
         self.scheduler = None
         self.sessions: dict[str, str] = {}
         """session -> engine address it is routed to."""
+        self.priority: dict[str, float] = {}
+        """session -> admission priority its router gave (its execution's start time)."""
+        self.rebalanced = 0
+        self._last_rebalance = 0.0
         self.located: dict[str, str] = {}
         """request id -> cell that imported it in a migration (dropped when its session ends)."""
         self.since: dict[str, float] = {}
@@ -182,12 +188,15 @@ class PoolsPlugin(SchedulerPlugin):
 
     # ------------------------------------------------------------------ routing RPCs
 
-    async def route(self, session: str, engine: str | None = None, timeout: float = 600.0) -> dict:
+    async def route(self, session: str, engine: str | None = None, timeout: float = 600.0,
+                    priority: float | None = None) -> dict:
         """The engine for ``session``'s next call (``engine`` records where a migration took it).
 
         With no engine in the rollout pool the call waits for one (up to ``timeout`` s), and
         counts as rollout demand meanwhile.
         """
+        if priority is not None:
+            self.priority[session] = priority
         if engine is not None:
             self.sessions[session] = engine
             return {"engine": engine}
@@ -216,6 +225,7 @@ class PoolsPlugin(SchedulerPlugin):
         its requests (ids ``<session>`` or ``<session>/...``; not those of a session ``<session>0``)."""
         if self.sessions.pop(session, None) is not None:
             self.poke()
+        self.priority.pop(session, None)
         for rid in [r for r in self.located if r == session or r.startswith(f"{session}/")]:
             del self.located[rid]
 
@@ -257,6 +267,7 @@ class PoolsPlugin(SchedulerPlugin):
             "routed": self.routed,
             "moves": self.moves_total,
             "migrations": self.migrations_total,
+            "rebalanced_sessions": self.rebalanced,
             "migrated_bytes": self.migrated_bytes,
             "idle_cell_seconds": self.idle_cell_seconds,
             "move_log": list(self.move_log)[-50:],
@@ -287,7 +298,34 @@ class PoolsPlugin(SchedulerPlugin):
             self._move_tasks.add(task)
             task.add_done_callback(self._move_tasks.discard)
         self._rebalance_trainer_tasks()
+        if not self.moving and snap.time - self._last_rebalance >= self.rebalance_s:
+            self._last_rebalance = snap.time
+            self._rebalance_sessions()
         return moves
+
+    def _rebalance_sessions(self) -> None:
+        """Move the youngest sessions of crowded engines to the emptiest (their generation in
+        flight migrates; their next call goes there)."""
+        plan = rebalance_sessions(RouteSnapshot(self.rollout_engines(), self.sessions), self.priority)
+        by_pair: dict[tuple[str, str], list[str]] = {}
+        for session, src, dst in plan:
+            self.sessions[session] = dst
+            by_pair.setdefault((src, dst), []).append(session)
+        for (src, dst), sessions in by_pair.items():
+            self.rebalanced += len(sessions)
+            task = asyncio.create_task(self._evict(src, dst, sessions))
+            self._move_tasks.add(task)
+            task.add_done_callback(self._move_tasks.discard)
+
+    async def _evict(self, src: str, dst: str, sessions: list[str]) -> None:
+        try:
+            out = await self.scheduler.rpc(src).gyreflow_evict(sessions=sessions, destinations=[dst])
+        except OSError:  # the engine left; its sessions are re-routed at their next call anyway
+            return
+        for rid, d in out.get("moved", {}).items():
+            self.located[rid] = d
+        self.migrations_total += len(out.get("moved", {}))
+        self.migrated_bytes += int(out.get("bytes", 0))
 
     def _account(self, snap: PoolSnapshot) -> None:
         dt = snap.time - self._last_tick

@@ -33,3 +33,36 @@ def choose_engine(session: str, snap: RouteSnapshot) -> str:
         if e in load and s != session:
             load[e] += 1
     return min(snap.engines, key=lambda e: (load[e], e))
+
+
+def rebalance_sessions(snap: RouteSnapshot, priority: dict[str, float], slack: int = 2) -> list[tuple[str, str, str]]:
+    """Sessions to move so that no engine serves more than ``slack`` above its fair share:
+    ``(session, from_engine, to_engine)``, the youngest sessions (highest ``priority``) of the
+    crowded engines to the emptiest ones.
+
+    Sessions stick to their engine, so without this an engine that joins the rollout pool takes
+    only new sessions, while one that served alone meanwhile stays crowded.
+    """
+    if len(snap.engines) < 2:
+        return []
+    members: dict[str, list[str]] = {e: [] for e in snap.engines}
+    for s, e in snap.sessions.items():
+        if e in members:
+            members[e].append(s)
+    total = sum(len(m) for m in members.values())
+    target = -(-total // len(snap.engines))
+    load = {e: len(m) for e, m in members.items()}
+    moves = []
+    for donor in sorted(members, key=lambda e: (-load[e], e)):
+        if load[donor] <= target + slack:
+            break
+        for s in sorted(members[donor], key=lambda s: (-priority.get(s, 0.0), s)):
+            if load[donor] <= target:
+                break
+            receiver = min(members, key=lambda e: (load[e], e))
+            if load[receiver] >= target:
+                break
+            moves.append((s, donor, receiver))
+            load[donor] -= 1
+            load[receiver] += 1
+    return moves

@@ -10,6 +10,8 @@ token. Only a generation that never left a dead cell is sent again, with its own
 
 from __future__ import annotations
 
+import time
+
 from distributed import get_worker
 from distributed.utils import sync
 
@@ -30,11 +32,15 @@ class Router:
         The execution's id; its calls stick to one engine (and its KV cache) while it serves.
     attempts
         Engine failures (a dead worker, not a re-route or a migration) tolerated per call.
+    priority
+        Admission priority of the session's calls at the engines (lower first); by default the
+        execution's start time, so older executions go first.
     """
 
-    def __init__(self, session: str, attempts: int = 3):
+    def __init__(self, session: str, attempts: int = 3, priority: float | None = None):
         self.session = session
         self.attempts = attempts
+        self.priority = time.time() if priority is None else float(priority)
         self.worker = get_worker()
         self.engine: str | None = None
         """The session's engine; asked of the scheduler once, and again when it stops serving."""
@@ -42,13 +48,14 @@ class Router:
         self.migrations = 0
 
     async def _route(self) -> str:
-        route = await self.worker.scheduler.gyreflow_route(session=self.session)
+        route = await self.worker.scheduler.gyreflow_route(session=self.session, priority=self.priority)
         if "error" in route:
             raise RouteError(route["error"])
         return route["engine"]
 
     async def agenerate_msg(self, msg: dict) -> dict:
         """Serve one request message; the reply message of the engine that finished it."""
+        msg = {**msg, "priority": self.priority}
         failures, last = 0, None
         pending: tuple[str, str] | None = None  # (engine, request id) of a migrated generation
         while True:

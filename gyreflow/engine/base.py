@@ -34,6 +34,41 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     session: str | None = None
     """Requests of one session may reuse the KV cache of that session's previous request."""
+    priority: float = 0.0
+    """Admission order when requests wait for a batch slot: lower first, ties in arrival order.
+    The router passes its execution's start time, so an older execution's call (likely one of the
+    long tail a step waits for) never queues behind a younger execution's."""
+
+
+class WorkSignal:
+    """``wait_for_work``/``wake`` for an engine that keeps a ``threading.Condition`` as ``_work``
+    and says whether it has work in ``has_work()`` (what :class:`~gyreflow.engine.runner.EngineRunner`
+    needs besides the :class:`Engine` protocol)."""
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until there is work, :meth:`wake` or ``timeout``; whether there is work."""
+        with self._work:
+            if self.has_work():
+                return True
+            self._work.wait(timeout)
+            return self.has_work()
+
+    def wake(self) -> None:
+        """Wake every thread waiting on the engine."""
+        with self._work:
+            self._work.notify_all()
+
+
+IMPORTED_PRIORITY = float("-inf")
+"""A migrated request goes ahead of every request that never started."""
+
+
+def take_next(waiting):
+    """Remove and return the waiting request to admit next: the lowest ``priority``, the earliest
+    among equals (``waiting`` is a deque in arrival order)."""
+    best = min(waiting, key=lambda r: r.priority)
+    waiting.remove(best)
+    return best
 
 
 @dataclass

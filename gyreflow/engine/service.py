@@ -78,6 +78,9 @@ class EngineService(WorkerPlugin):
         self._moves: dict[str, asyncio.Future] = {}
         """request id -> where its migration took it, for the reply that waits on it here."""
         self._imported: dict[str, object] = {}
+        self._session_of: dict[str, str | None] = {}
+        self.evicted: set[str] = set()
+        """Sessions whose next call must go elsewhere (the scheduler re-balanced them)."""
         self.migrated_out = 0
         self.migrated_in = 0
 
@@ -91,6 +94,7 @@ class EngineService(WorkerPlugin):
         worker.handlers["gyreflow_generate"] = self.generate
         worker.handlers["gyreflow_engine_stats"] = self.stats
         worker.handlers["gyreflow_drain"] = self.drain
+        worker.handlers["gyreflow_evict"] = self.evict
         worker.handlers["gyreflow_import"] = self.import_states
         worker.handlers["gyreflow_resume"] = self.resume
 
@@ -134,6 +138,9 @@ class EngineService(WorkerPlugin):
     async def generate(self, request: dict) -> dict:
         if not self.accepting:
             return {"reroute": True}
+        if request.get("session") in self.evicted:
+            self.evicted.discard(request["session"])
+            return {"reroute": True}
         if (err := await self._wait_ready()) is not None:
             return {"error": err}
         try:
@@ -141,7 +148,11 @@ class EngineService(WorkerPlugin):
             fut = self.runner.submit(req)
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}"}
-        return await self._outcome(req.request_id, fut)
+        self._session_of[req.request_id] = req.session
+        try:
+            return await self._outcome(req.request_id, fut)
+        finally:
+            self._session_of.pop(req.request_id, None)
 
     async def resume(self, request_id: str) -> dict:
         """The outcome of a request this cell imported."""
@@ -175,11 +186,30 @@ class EngineService(WorkerPlugin):
         survive, used by the tests.
         """
         self.accepting = False
-        t0 = time.perf_counter()
         if self.runner is None:
-            return {"moved": {}, "bytes": 0, "seconds": 0.0}
+            return {"moved": {}, "kept": 0, "bytes": 0, "seconds": 0.0}
+        out = await self._migrate(self.runner.engine.request_ids(), destinations, fail_after_send)
+        if out["kept"]:
+            self.accepting = True
+        return out
+
+    async def evict(self, sessions: list[str], destinations: list[str]) -> dict:
+        """Send ``sessions`` elsewhere: their generations in flight migrate to ``destinations``,
+        and their next call here is answered ``reroute`` (the scheduler re-balancing sessions)."""
+        if self.runner is None:
+            return {"moved": {}, "kept": 0, "bytes": 0, "seconds": 0.0}
+        chosen = set(sessions)
+        self.evicted.update(chosen)
+        ids = [rid for rid, s in list(self._session_of.items()) if s in chosen]
+        for rid in ids:  # they follow their generation instead
+            self.evicted.discard(self._session_of.get(rid))
+        return await self._migrate(ids, destinations)
+
+    async def _migrate(self, ids: list[str], destinations: list[str], fail_after_send: bool = False) -> dict:
+        """Export requests ``ids`` and import them on ``destinations`` (round robin). A
+        destination that fails is skipped; requests nobody took go on here, so nothing is lost."""
+        t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        ids = self.runner.engine.request_ids()
         # Created before the export, so each request's waiting reply can follow it.
         where = {rid: loop.create_future() for rid in ids}
         self._moves.update(where)
@@ -221,10 +251,7 @@ class EngineService(WorkerPlugin):
             moved[s.request_id] = self.worker.address
         for rid, dest in moved.items():
             where[rid].set_result(dest)
-        if leftover:
-            self.accepting = True
-        n_out = len(moved) - len(leftover)
-        self.migrated_out += n_out
+        self.migrated_out += len(moved) - len(leftover)
         return {"moved": {r: d for r, d in moved.items() if d != self.worker.address}, "kept": len(leftover),
                 "bytes": int(sum(state_nbytes(s) for s in states)), "seconds": time.perf_counter() - t0}
 

@@ -29,8 +29,11 @@ from gyreflow.engine.base import (
     GenerationRequest,
     GenerationResult,
     LiveRequestState,
+    IMPORTED_PRIORITY,
     RequestExported,
     SamplingParams,
+    WorkSignal,
+    take_next,
 )
 from gyreflow.engine.forward import KVCache, ModelSpec, ModelWeights, build_weights, forward, rope_tables, sample_tokens
 
@@ -58,6 +61,7 @@ class _Request:
     prefix_reused: int = 0
     kv_in: np.ndarray | None = None
     """KV brought by ``import_request``, written into the slot on admission."""
+    priority: float = 0.0
 
     @property
     def n_prompt(self) -> int:
@@ -83,7 +87,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else m
 
 
-class TorchEngine:
+class TorchEngine(WorkSignal):
     """A Llama policy served with continuous batching by a functional torch forward.
 
     Parameters
@@ -188,7 +192,8 @@ class TorchEngine:
         self._check(request.request_id, prompt, params)
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        req = _Request(request.request_id, prompt, params, request.session, Future(), gen, seq=prompt.tolist())
+        req = _Request(request.request_id, prompt, params, request.session, Future(), gen, seq=prompt.tolist(),
+                       priority=float(request.priority))
         self._enqueue(req, front=False)
         return req.future
 
@@ -228,6 +233,7 @@ class TorchEngine:
             text=bytearray(int(t) for t in completion if t < 256),
             prefix_reused=int(state.prefix_reused),
             kv_in=kv if n_kv else None,
+            priority=IMPORTED_PRIORITY,
         )
         self._enqueue(req, front=True)
         with self._lock:
@@ -342,19 +348,6 @@ class TorchEngine:
         """Whether ``step`` would do anything: live or waiting requests, or staged weights."""
         return bool(self._rows or self._waiting or self._staged is not None)
 
-    def wait_for_work(self, timeout: float | None = None) -> bool:
-        """Block until there is work (see :meth:`has_work`), :meth:`wake` or ``timeout``."""
-        with self._work:
-            if self.has_work():
-                return True
-            self._work.wait(timeout)
-            return self.has_work()
-
-    def wake(self) -> None:
-        """Wake every thread in :meth:`wait_for_work`."""
-        with self._work:
-            self._work.notify_all()
-
     def step(self) -> int:
         """One iteration: apply staged weights, admit and prefill, decode every live request.
 
@@ -395,7 +388,7 @@ class TorchEngine:
         admitted = []
         with self._lock:
             while self._waiting and len(self._rows) < self.max_batch:
-                req = self._waiting.popleft()
+                req = take_next(self._waiting)
                 self._rows.append(req)
                 admitted.append(req)
         first = len(self._rows) - len(admitted)

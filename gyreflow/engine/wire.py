@@ -22,6 +22,7 @@ def request_to_msg(req: GenerationRequest) -> dict:
         "prompt_ids": _arr(req.prompt_ids, np.int32),
         "params": params,
         "session": req.session,
+        "priority": float(req.priority),
     }
 
 
@@ -34,6 +35,7 @@ def msg_to_request(msg: dict) -> GenerationRequest:
         prompt_ids=np.frombuffer(msg["prompt_ids"], np.int32).copy(),
         params=SamplingParams(**p),
         session=msg.get("session"),
+        priority=float(msg.get("priority", 0.0)),
     )
 
 
