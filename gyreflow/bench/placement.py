@@ -88,6 +88,7 @@ def run_mode(workload: Workload, mode: str, rollout: int, trainer: int, placemen
         while in_flight:
             finish()
         wall = time.time() - t0
+        client.sync(client.scheduler.gyreflow_placement, mode="async")  # no move while the cluster closes
         results = client.gather(executions)
         engines = client.run(lambda dask_worker: dask_worker.plugins["gyreflow-engine"].stats(), workers=cells)
         pools_state = client.sync(client.scheduler.gyreflow_pools)

@@ -40,7 +40,10 @@ class CellService(WorkerPlugin):
         engine = self.worker.plugins.get(ENGINE_PLUGIN)
         if engine is not None and role != ROLLOUT:
             engine.accepting = False
-        await self.worker.set_resources(**{ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)})
+        try:
+            await self.worker.set_resources(**{ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)})
+        except (OSError, RuntimeError) as err:  # the scheduler went away (the cluster is closing)
+            return {"error": f"role change to {role!r} failed: {type(err).__name__}: {err}"}
         if engine is not None and role == ROLLOUT:
             engine.accepting = True
         # set_resources changes the worker's counts without a state-machine event, so tasks already
