@@ -114,10 +114,11 @@ class ColocatedPolicy:
     no execution is live anywhere (an execution between two calls still counts).
     """
 
+    dwell_s: float = 0.05
     name: str = "colocated"
 
     def decide(self, snap: PoolSnapshot) -> list[Move]:
-        free = [c for c in snap.cells if not c.moving]
+        free = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
         if snap.sessions > 0:
             return [Move(c.address, ROLLOUT, "executions live") for c in free
                     if c.role == TRAINER and c.train_tasks == 0]

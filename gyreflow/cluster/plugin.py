@@ -365,27 +365,28 @@ class PoolsPlugin(SchedulerPlugin):
             self.idle_since[move.cell] = None
         self.move_log.append(entry)
         self.scheduler.log_event("gyreflow-moves", entry)
-        self.poke()
+        if "error" not in entry and not entry.get("aborted"):
+            self.poke()  # an aborted move is retried at the next regular tick, not in a tight loop
         async with self._engines_changed:
             self._engines_changed.notify_all()
         return entry
 
     async def _to_trainer(self, addr: str) -> dict:
         others = [a for a in self.rollout_engines() if a != addr]
-        if not others:
-            return {"aborted": "no other rollout cell to take its generations"}
         load = {a: 0 for a in others}
         for e in self.sessions.values():
             if e in load:
                 load[e] += 1
         # Spread by spare room: a cell appears once per session it has fewer than the busiest.
-        top = max(load.values())
+        # With no other rollout cell, only a cell without generations can go (colocated).
+        top = max(load.values(), default=0)
         destinations = [a for a in sorted(others, key=lambda a: load[a]) for _ in range(top - load[a] + 1)]
         t0 = time.time()
         drained = await self.scheduler.rpc(addr).gyreflow_drain(destinations=destinations)
         t1 = time.time()
         if drained.get("kept"):
-            return {"aborted": f"{drained['kept']} generations could not move"}
+            return {"aborted": f"{drained['kept']} generations could not move"
+                    + ("" if others else " (no other rollout cell)")}
         for session in [s for s, e in self.sessions.items() if e == addr]:
             del self.sessions[session]  # re-routed at its next call (or where its generation went)
         for rid, dest in drained.get("moved", {}).items():
