@@ -459,3 +459,26 @@ def test_router_reroutes_a_session_whose_cell_left(client, published, model):
     ref_a, ref_b = reference(model, [r1, r2])
     assert_same(a, ref_a)
     assert_same(b, ref_b)
+
+
+def test_colocated_moves_every_cell_to_training_and_back(client, published):
+    """``colocated`` applied by the plugin: with no execution live, ready training takes every
+    cell, the last rollout cell included; a call waiting for an engine brings them all back."""
+    names = layout(client, published, rollout=CELLS, trainer=())
+
+    def mode(m, dask_scheduler=None):
+        return dask_scheduler.plugins[PLUGIN_NAME].placement(m)
+
+    client.run_on_scheduler(mode, "colocated")
+    try:
+        futs = [client.submit(trainer_task, f"colo-{i}", 1.0, key=f"colo-{i}", resources=TRAIN, pure=False)
+                for i in range(6)]
+        wait_for(lambda: len(pools(client)["pools"][TRAINER]) == 3, what="every cell in the trainer pool")
+        assert {f.result(timeout=30)["before"][TRAINER] for f in futs} == {1}
+        res, _, _ = client.submit(one_call, request("colo-call", 8, 1, max_tokens=4), resources=SLOT,
+                                  pure=False).result(timeout=60)
+        assert res.engine in names.values() and len(pools(client)["pools"][ROLLOUT]) == 3
+        moves = pools(client)["move_log"]
+        assert not any(m.get("error") for m in moves)
+    finally:
+        client.run_on_scheduler(mode, "async")
