@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 REPO_PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
 
