@@ -26,6 +26,7 @@ from collections import deque
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from gyreflow.cluster import dashboard
 from gyreflow.cluster.placement import Cell, Move, PlacementPolicy, PoolSnapshot, make_policy
 from gyreflow.cluster.policy import RouteSnapshot, choose_engine, rebalance_sessions
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
@@ -103,21 +104,11 @@ class PoolsPlugin(SchedulerPlugin):
             self.since.setdefault(addr, now)
         self._last_tick = self._last_sample = now
         self._loop_task = asyncio.create_task(self._control_loop())
-        try:
-            from gyreflow.cluster.dashboard import register as register_dashboard
-
-            register_dashboard(scheduler, self)
-        except ImportError:  # pragma: no cover - dashboard module optional at import time
-            pass
+        dashboard.register(scheduler, self)
 
     async def close(self) -> None:
         self._closing = True
-        try:
-            from gyreflow.cluster.dashboard import unregister as unregister_dashboard
-
-            unregister_dashboard(self.scheduler, self)
-        except ImportError:  # pragma: no cover
-            pass
+        dashboard.unregister(self.scheduler, self)
         for t in [self._loop_task, *self._move_tasks]:
             if t is not None:
                 t.cancel()
