@@ -483,3 +483,23 @@ def test_colocated_moves_every_cell_to_training_and_back(client, published):
         assert not any(m.get("error") for m in moves)
     finally:
         client.run_on_scheduler(mode, "async")
+
+
+def test_downscaling_spares_busy_cells(client, published):
+    """Retiring workers (adaptive scaling) never takes a cell that serves sessions or trains."""
+    names = layout(client, published)
+    client.sync(client.scheduler.gyreflow_route, session="busy-session", engine=names["cell-0"])
+    fut = client.submit(trainer_task, "downscale", 1.0, key="downscale-busy", resources=TRAIN, pure=False)
+    wait_for(lambda: task_state(client, fut.key) == "processing", what="the trainer task assigned")
+
+    def candidates(dask_scheduler=None):
+        plugin = dask_scheduler.plugins[PLUGIN_NAME]
+        cells = [ws for ws in dask_scheduler.workers.values() if ws.resources.get("rollout") is not None]
+        return sorted(ws.address for ws in plugin.valid_workers_downscaling(dask_scheduler, cells))
+
+    try:
+        assert client.run_on_scheduler(candidates) == [names["cell-1"]]  # cell-0 serves a session, cell-2 trains
+    finally:
+        fut.result(timeout=30)
+        client.sync(client.scheduler.gyreflow_release, session="busy-session")
+    assert sorted(client.run_on_scheduler(candidates)) == sorted(names[c] for c in CELLS)

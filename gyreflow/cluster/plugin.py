@@ -126,6 +126,14 @@ class PoolsPlugin(SchedulerPlugin):
         self.moving.pop(worker, None)
         self.poke()
 
+    def valid_workers_downscaling(self, scheduler, workers: list) -> list:
+        """When the cluster manager shrinks the cluster (``cluster.adapt``), spare the cells that
+        hold work now: a trainer cell with trainer tasks, a rollout cell serving sessions, a cell
+        being moved. Roles are the plugin's; counts stay the cluster manager's."""
+        busy = set(self.moving) | set(self.sessions.values())
+        busy |= {addr for addr in self.roles() if self._train_tasks(addr)}
+        return [ws for ws in workers if ws.address not in busy]
+
     def transition(self, key, start, finish, *args, **kwargs) -> None:
         if finish in ("processing", "no-worker", "memory", "erred") or start == "processing":
             ts = self.scheduler.tasks.get(key)
