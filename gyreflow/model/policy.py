@@ -65,8 +65,11 @@ def build_policy(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
 
 def save_policy(model: LlamaForCausalLM, path: str | Path, tokenizer=None) -> Path:
     """Write ``model`` (and its tokenizer) as a Hugging Face checkpoint directory."""
+    from transformers.utils import logging as hf_logging
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is noise in run logs
     model.save_pretrained(str(path), safe_serialization=True)
     (tokenizer or build_tokenizer()).save_pretrained(str(path))
     return path
