@@ -13,10 +13,22 @@ def _arr(a, dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
+def _params_msg(params: SamplingParams) -> dict:
+    out = asdict(params)
+    out["stop"] = list(out["stop"])
+    out["stop_token_ids"] = list(out["stop_token_ids"])
+    return out
+
+
+def _msg_params(msg: dict) -> SamplingParams:
+    p = dict(msg)
+    p["stop"] = tuple(p.get("stop", ()))
+    p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
+    return SamplingParams(**p)
+
+
 def request_to_msg(req: GenerationRequest) -> dict:
-    params = asdict(req.params)
-    params["stop"] = list(params["stop"])
-    params["stop_token_ids"] = list(params["stop_token_ids"])
+    params = _params_msg(req.params)
     return {
         "request_id": req.request_id,
         "prompt_ids": _arr(req.prompt_ids, np.int32),
@@ -27,13 +39,10 @@ def request_to_msg(req: GenerationRequest) -> dict:
 
 
 def msg_to_request(msg: dict) -> GenerationRequest:
-    p = dict(msg["params"])
-    p["stop"] = tuple(p.get("stop", ()))
-    p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
     return GenerationRequest(
         request_id=msg["request_id"],
         prompt_ids=np.frombuffer(msg["prompt_ids"], np.int32).copy(),
-        params=SamplingParams(**p),
+        params=_msg_params(msg["params"]),
         session=msg.get("session"),
         priority=float(msg.get("priority", 0.0)),
     )
@@ -77,9 +86,7 @@ def _msg_array(m: dict) -> np.ndarray:
 def state_to_msg(state: LiveRequestState) -> dict:
     """A live request (tokens so far, KV cache, sampler state) as a message for Dask comms; the
     KV travels as one bytes frame, so over UCX it moves by RDMA where the network has it."""
-    params = asdict(state.params)
-    params["stop"] = list(params["stop"])
-    params["stop_token_ids"] = list(params["stop_token_ids"])
+    params = _params_msg(state.params)
     return {
         "request_id": state.request_id,
         "prompt_ids": _array_msg(state.prompt_ids),
@@ -97,16 +104,13 @@ def state_to_msg(state: LiveRequestState) -> dict:
 
 
 def msg_to_state(msg: dict) -> LiveRequestState:
-    p = dict(msg["params"])
-    p["stop"] = tuple(p.get("stop", ()))
-    p["stop_token_ids"] = tuple(p.get("stop_token_ids", ()))
     return LiveRequestState(
         request_id=msg["request_id"],
         prompt_ids=_msg_array(msg["prompt_ids"]),
         completion_ids=_msg_array(msg["completion_ids"]),
         logprobs=_msg_array(msg["logprobs"]),
         versions=_msg_array(msg["versions"]),
-        params=SamplingParams(**p),
+        params=_msg_params(msg["params"]),
         session=msg.get("session"),
         generator_state=_msg_array(msg["generator_state"]),
         kv=_msg_array(msg["kv"]),
