@@ -428,9 +428,14 @@ class PoolsPlugin(SchedulerPlugin):
         load = {a: len(self._train_tasks(a)) for a in trainers}
         donors = []
         for addr in roles:
-            tasks = [ts for ts in self._train_tasks(addr) if not ts.worker_restrictions and ts not in stealing.in_flight]
+            ws = self.scheduler.workers[addr]
+            # A worker runs its queue in priority order, so the first task is (or soon will be) the
+            # one executing: a steal of it would be refused. Donate from the back of the queue.
+            tasks = sorted(self._train_tasks(addr), key=lambda ts: ts.priority or ())
             keep = 0 if roles[addr] != TRAINER else 1
-            donors.extend(tasks[keep:])
+            queued = [ts for ts in tasks[keep:] if ts not in ws.executing]
+            donors.extend(ts for ts in reversed(queued)
+                          if not ts.worker_restrictions and ts not in stealing.in_flight)
         for ts in donors:
             thief = min(trainers, key=lambda a: load[a], default=None)
             victim = ts.processing_on
