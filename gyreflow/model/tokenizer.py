@@ -24,15 +24,35 @@ SPECIAL_TOKENS = [PAD, END, SYSTEM, USER, ASSISTANT, TOOL]
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 # Each message is `<|role|>content<|end|>`; the generation prompt is `<|assistant|>`.
-# Tool results are `<|tool|>` messages. The template is the one the proxy renders with.
+# Tool results are `<|tool|>` messages. With tools, a system message lists each tool's JSON
+# function spec (the first system message, if any, comes first in it); an assistant's tool calls
+# follow its content as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (plain bytes: the
+# byte vocabulary has no spare special ids). The proxy renders with this template and parses
+# completions with the matching "hermes" tool-call parser.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{%- macro text(content) -%}"
+    "{%- if content is none -%}{%- elif content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}{{ part['text'] }}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set skip_first = tools and messages and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}"
+    "{{ '<|system|>' }}{%- if skip_first -%}{{ text(messages[0]['content']) }}{{ '\n' }}{%- endif -%}"
+    "{{ 'tools:' }}{%- for tool in tools -%}{{ '\n' }}{{ (tool['function'] if 'function' in tool else tool) | tojson }}{%- endfor -%}"
+    "{{ '\ncall a tool: <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>' }}{{ '<|end|>' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (skip_first and loop.first) -%}"
+    "{{ '<|' + message['role'] + '|>' }}{{ text(message['content']) }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] -%}"
+    "{{ '<tool_call>{\"name\": ' }}{{ fn['name'] | tojson }}{{ ', \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
+    "{{ '}</tool_call>' }}"
+    "{%- endfor -%}"
     "{{ '<|end|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
 
 

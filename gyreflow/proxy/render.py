@@ -1,0 +1,68 @@
+"""Messages to prompt ids, with the model's own chat template.
+
+An agent sends its history back as text, often re-formatted: arguments re-serialized, content
+``null`` where the model wrote ``""``, a stop string dropped. Rendering that text again would train
+the model on turns it never produced. So each assistant turn the proxy served is cached by its
+tool-call ids (or its exact text), and when the turn comes back the renderer splices in the ids
+the engine really sampled. Everything else is rendered from the messages as given: a call's
+prompt is never assumed to extend the previous one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Private-use code points: they cannot come from a client's JSON by accident in a way that matters,
+# since messages holding them are refused.
+_OPEN, _CLOSE = "\ue000", "\ue001"
+
+
+class ChatRenderer:
+    """Render chat messages with a Hugging Face tokenizer's chat template.
+
+    Parameters
+    ----------
+    tokenizer
+        A ``transformers`` tokenizer with a ``chat_template``.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.eos_text = tokenizer.eos_token
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def render(self, messages: list[dict], tools: list[dict], restored: dict[int, np.ndarray],
+               forced_prefix: str = "") -> np.ndarray:
+        """Prompt ids for ``messages`` followed by the generation prompt and ``forced_prefix``.
+
+        ``restored`` maps the index of an assistant message to the exact ids of that turn (what the
+        engine sampled, ending in the end-of-turn token when it stopped there).
+        """
+        for m in messages:
+            if _OPEN in m["content"] or _CLOSE in m["content"]:
+                from gyreflow.proxy.errors import bad_request
+
+                raise bad_request("message content holds reserved characters U+E000/U+E001", param="messages")
+        shown = [({"role": "assistant", "content": f"{_OPEN}{i}{_CLOSE}"} if i in restored else m)
+                 for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(shown, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
+        ids: list[int] = []
+        rest = text
+        while _OPEN in rest:
+            before, _, after = rest.partition(_OPEN)
+            index, _, rest = after.partition(_CLOSE)
+            ids += self.encode(before)
+            turn = [int(t) for t in restored[int(index)]]
+            ids += turn
+            # The sampled turn already ends with the end-of-turn token the template writes next.
+            if turn and turn[-1] == self.eos_id and rest.startswith(self.eos_text):
+                rest = rest[len(self.eos_text):]
+        ids += self.encode(rest + forced_prefix)
+        return np.asarray(ids, dtype=np.int32)
