@@ -1,4 +1,4 @@
-"""``gyreflow run | inspect | bench``: the command line."""
+"""``gyreflow run | serve | inspect | bench``: the command line."""
 
 from __future__ import annotations
 
@@ -138,6 +138,62 @@ def _mark_interrupted(run_dir: Path) -> None:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)
+
+
+@main.command()
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to serve.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Run directory for the archive (default storage/serve/serve-<time>).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
+@click.option("--port", type=int, default=0, show_default=True, help="Port (0 picks a free one).")
+@click.option("--sessions", type=click.IntRange(0, 1000), default=1, show_default=True,
+              help="Sessions to open at start (more through the admin route).")
+@click.option("--model-name", default="gyreflow-policy", show_default=True, help="Model name clients ask for.")
+@click.option("--max-calls", type=click.IntRange(1), default=1000, show_default=True, help="Model calls per session.")
+@click.option("--token-budget", type=click.IntRange(1), default=1 << 20, show_default=True,
+              help="Generated tokens per session.")
+@click.option("--max-tokens-per-call", type=click.IntRange(1), default=512, show_default=True,
+              help="Completion length when a request names none (and the most it may name).")
+@click.option("--time-limit", type=click.FloatRange(min=1.0), default=24 * 3600.0, show_default=True,
+              help="Seconds a session may live.")
+def serve(checkpoint, out, host, port, sessions, model_name, max_calls, token_budget, max_tokens_per_call,
+          time_limit) -> None:
+    """Serve a checkpoint through the OpenAI-compatible proxy; record each session as an execution.
+
+    Stop with Ctrl-C: open sessions are written and the archive is committed.
+    """
+    import signal
+    import threading
+
+    _quiet()
+    from gyreflow.proxy.serve import Serve
+    from gyreflow.proxy.sessions import Budget
+
+    run_dir = Path(out) if out else Path("storage") / "serve" / time.strftime("serve-%Y%m%d-%H%M%S")
+    if (run_dir / "archive.zarr").exists():
+        console.print(f"[red]error:[/red] {run_dir / 'archive.zarr'} already exists; choose another --out")
+        sys.exit(2)
+    try:
+        budget = Budget(max_calls=max_calls, token_budget=token_budget, max_tokens_per_call=max_tokens_per_call,
+                        time_limit_s=time_limit)
+        server = Serve(checkpoint, run_dir, host=host, port=port, model_name=model_name, budget=budget)
+    except (ValueError, OSError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        sys.exit(2)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print(f"gyreflow serve: model {model_name!r} at {server.proxy.url}")
+    console.print(f"admin key: {server.admin_key}  (POST/DELETE {server.proxy.url}/gyreflow/sessions)")
+    for _ in range(sessions):
+        s = server.open_session()
+        console.print(f"session {s.execution_id}: OPENAI_BASE_URL={server.proxy.server.base_url(s)} "
+                      f"OPENAI_API_KEY={s.secret}")
+    console.print(f"archive: {server.archive}  (Ctrl-C to stop)")
+    while not stop.wait(0.5):
+        pass
+    summary = server.stop()
+    console.print(f"stopped: {summary['executions']} executions committed to {server.archive}")
 
 
 @main.command()

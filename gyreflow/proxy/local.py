@@ -27,12 +27,14 @@ class EngineBackend:
 class ProxyThread:
     """A :class:`ProxyServer` on a daemon thread's event loop; its methods are thread-safe."""
 
-    def __init__(self, card: ModelCard, *, host: str = LOOPBACK, port: int = 0, max_body_bytes: int = 16 << 20) -> None:
+    def __init__(self, card: ModelCard, *, host: str = LOOPBACK, port: int = 0, max_body_bytes: int = 16 << 20,
+                 extra_handlers: list | None = None) -> None:
         self.registry = SessionRegistry()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gyreflow-proxy", daemon=True)
         self._thread.start()
-        self.server = ProxyServer(self.registry, card, host=host, port=port, max_body_bytes=max_body_bytes)
+        self.server = ProxyServer(self.registry, card, host=host, port=port, max_body_bytes=max_body_bytes,
+                                  extra_handlers=extra_handlers)
         self._call(self._start)
 
     async def _start(self) -> None:

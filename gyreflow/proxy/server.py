@@ -191,11 +191,14 @@ class ProxyServer:
         0 picks a free port.
     max_body_bytes
         Largest request body accepted (413 above it).
+    extra_handlers
+        More tornado routes (``gyreflow serve`` adds its session administration).
     """
 
     def __init__(self, registry: SessionRegistry, card: ModelCard, *, host: str = LOOPBACK, port: int = 0,
-                 max_body_bytes: int = 16 << 20) -> None:
+                 max_body_bytes: int = 16 << 20, extra_handlers: list | None = None) -> None:
         self.registry = registry
+        self.extra_handlers = list(extra_handlers or [])
         self.card = card
         self.host = host
         self.port = port
@@ -213,6 +216,7 @@ class ProxyServer:
             (SESSION + r"/v1/chat/completions", Generate, p | {"endpoint": "chat"}),
             (SESSION + r"/v1/completions", Generate, p | {"endpoint": "completions"}),
             (SESSION + r"/v1/responses", Generate, p | {"endpoint": "responses"}),
+            *self.extra_handlers,
         ], default_handler_class=NotFound, default_handler_args=p)
 
     def start(self) -> "ProxyServer":
