@@ -18,11 +18,14 @@ import torch
 from distributed import get_worker
 
 from gyreflow.agents.demos import demonstrations
+from gyreflow.agents.external import ExternalAgent, run_external
 from gyreflow.agents.loop import AgentConfig, run_agent
+from gyreflow.agents.suite import SuiteTask
 from gyreflow.agents.tasks import Task, make_tasks
 from gyreflow.algo import ADVANTAGES
 from gyreflow.cluster.router import Router
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
+from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
 from gyreflow.model.policy import build_policy, load_policy, save_policy, state_dict_numpy
 from gyreflow.train.packing import PathSample
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
@@ -88,12 +91,29 @@ def publish_weights(published: dict) -> dict:
     return service.load(published["hf_config"], published["weights"], published["version"])
 
 
-def run_execution(task: Task, agent: AgentConfig, execution_id: str, step: int, sample: int, seed: int) -> ExecutionResult:
-    """One execution of the native agent; its model calls go through the router. Runs in an
-    execution slot."""
+def run_native_execution(task: Task, agent: AgentConfig, execution_id: str, step: int, sample: int, seed: int,
+                         router: Router) -> ExecutionResult:
+    """The native agent loop, calling the engines through the router."""
+    return run_agent(task, router, agent, execution_id, step=step, sample=sample, seed=seed)
+
+
+def run_external_execution(task: SuiteTask, agent: ExternalAgent, execution_id: str, step: int, sample: int,
+                           seed: int, router: Router) -> ExecutionResult:
+    """An agent program as a subprocess, its calls through this worker's proxy and the router."""
+    proxy = get_worker().plugins[PROXY_PLUGIN]
+    return run_external(task, agent, proxy, router.agenerate, execution_id, step=step, sample=sample, seed=seed)
+
+
+EXECUTORS = {"vault": run_native_execution, "suite": run_external_execution}
+"""How an execution of each kind of task runs (the only dispatch on task kind)."""
+
+
+def run_execution(task, agent, execution_id: str, step: int, sample: int, seed: int) -> ExecutionResult:
+    """One execution of ``task``: the native agent for vault tasks, an agent program for suite
+    tasks; its model calls go through the router. Runs in an execution slot."""
     router = Router(session=execution_id)
     try:
-        result = run_agent(task, router, agent, execution_id, step=step, sample=sample, seed=seed)
+        result = EXECUTORS[task.kind](task, agent, execution_id, step, sample, seed, router)
     finally:
         router.close()
     result.worker = get_worker().address

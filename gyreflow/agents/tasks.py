@@ -48,6 +48,10 @@ class Task:
         return len(self.rooms)
 
     @property
+    def kind(self) -> str:
+        return "vault"
+
+    @property
     def max_calls(self) -> int:
         return 2 * self.horizon + self.spare_calls
 

@@ -103,7 +103,10 @@ def install(client: Client, torch_threads: int | None, engine_options: dict, mod
     present = set(client.run_on_scheduler(_registered))
     engine = EngineService(engine_options, torch_threads) if engine_factory is None else \
         EngineService(engine_options, torch_threads, factory=engine_factory)
-    for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options)):
+    from gyreflow.proxy.plugin import ProxyPlugin
+
+    for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options),
+                   ProxyPlugin()):
         if plugin.name not in present:
             client.register_plugin(plugin)
     out = client.sync(client.scheduler.gyreflow_placement, mode=mode, options=placement_options or {})

@@ -48,13 +48,18 @@ class ProxyPlugin(WorkerPlugin):
         self.worker = None
 
     async def setup(self, worker) -> None:
-        from gyreflow.model import build_tokenizer, load_tokenizer
-
-        tok = load_tokenizer(self.tokenizer) if self.tokenizer else build_tokenizer()
         self.worker = worker
-        self.server = ProxyServer(SessionRegistry(), model_card(tok, self.model_name, self.parser),
-                                  host=self.host, max_body_bytes=self.max_body_bytes).start()
-        log.info("gyreflow proxy for %s at %s", worker.address, self.server.url)
+
+    def _start(self) -> ProxyServer:
+        # Started at the first session: only workers that run external executions listen.
+        if self.server is None:
+            from gyreflow.model import build_tokenizer, load_tokenizer
+
+            tok = load_tokenizer(self.tokenizer) if self.tokenizer else build_tokenizer()
+            self.server = ProxyServer(SessionRegistry(), model_card(tok, self.model_name, self.parser),
+                                      host=self.host, max_body_bytes=self.max_body_bytes).start()
+            log.info("gyreflow proxy for %s at %s", self.worker.address, self.server.url)
+        return self.server
 
     async def teardown(self, worker) -> None:
         if self.server is not None:
@@ -65,7 +70,7 @@ class ProxyPlugin(WorkerPlugin):
     def open(self, execution_id: str, generate: Generate, *, budget: Budget | None = None, seed: int = 0,
              role: str = "policy") -> Session:
         async def run() -> Session:
-            return self.server.registry.open(execution_id, generate, budget=budget, seed=seed, role=role)
+            return self._start().registry.open(execution_id, generate, budget=budget, seed=seed, role=role)
 
         return sync(self.worker.loop, run)
 

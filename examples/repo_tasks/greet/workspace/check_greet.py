@@ -1,0 +1,4 @@
+from greet import greet
+
+assert greet() == "hello", greet()
+print("ok")
