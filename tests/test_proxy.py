@@ -507,3 +507,17 @@ def test_sessions_are_isolated(proxy, engine):
 def test_binds_to_loopback_by_default(proxy):
     assert {s.getsockname()[0] for s in proxy.server.sockets} == {"127.0.0.1"}
     assert urlparse(proxy.url).hostname == "127.0.0.1"
+
+
+def test_turn_cache_encodes_exactly_as_the_whole_text(tok):
+    """Rendering encodes one turn at a time and caches turns; the ids equal encoding the whole."""
+    from gyreflow.proxy.render import ChatRenderer
+
+    r = ChatRenderer(tok, cache_tokens=4096)
+    assert r.piecewise
+    rng = np.random.default_rng(0)
+    alphabet = list("ab <|>end\n{}\"é✓") + ["<|end|>", "<|user|>", "<|tool|>"]
+    for _ in range(50):
+        text = "".join(rng.choice(alphabet, size=int(rng.integers(60, 400))))
+        assert r.encode(text) == r._encode_whole(text) == r.encode(text)
+    assert r._cached <= 4096

@@ -10,6 +10,8 @@ prompt is never assumed to extend the previous one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 # Private-use code points: they cannot come from a client's JSON by accident in a way that matters,
@@ -26,13 +28,49 @@ class ChatRenderer:
         A ``transformers`` tokenizer with a ``chat_template``.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, cache_tokens: int = 1 << 22) -> None:
         self.tokenizer = tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
         self.eos_text = tokenizer.eos_token
+        self.cache_tokens = cache_tokens
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached = 0
+        self.piecewise = self._splits_at_end_of_turn()
+        """Whether text may be encoded one turn at a time (then each turn's ids are cached, and a
+        call encodes only the turns it adds: agents resend their whole history every call)."""
+
+    def _encode_whole(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _splits_at_end_of_turn(self) -> bool:
+        # A tokenizer that merges across the end-of-turn token, or marks the start of a text,
+        # encodes a turn differently alone: then only whole texts are encoded.
+        e = self.eos_text
+        return all(self._encode_whole(a + e + b) == self._encode_whole(a + e) + self._encode_whole(b)
+                   for a, b in (("a", "b"), ("a", " b"), ("x\n", "\ny"), ("1", "2")))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        """Ids of ``text`` (special-token strings become their ids)."""
+        if not self.piecewise or len(text) < 64:
+            return self._encode_whole(text)
+        ids: list[int] = []
+        pieces = text.split(self.eos_text)
+        for i, piece in enumerate(pieces):
+            ids += self._piece(piece + self.eos_text if i < len(pieces) - 1 else piece)
+        return ids
+
+    def _piece(self, piece: str) -> list[int]:
+        hit = self._cache.get(piece)
+        if hit is not None:
+            self._cache.move_to_end(piece)
+            return hit
+        ids = self._encode_whole(piece)
+        if len(ids) <= self.cache_tokens // 4:
+            self._cache[piece] = ids
+            self._cached += len(ids)
+            while self._cached > self.cache_tokens:
+                self._cached -= len(self._cache.popitem(last=False)[1])
+        return ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
