@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from gyreflow.agents.demos import DemoNoise
+from gyreflow.agents.external import ExternalAgent
 from gyreflow.agents.loop import AgentConfig
 from gyreflow.model.policy import ModelConfig
 from gyreflow.train.trainer import OptimConfig
@@ -32,7 +33,11 @@ class TaskConfig:
     spare_calls: int = 4
     """Tool calls allowed beyond the two per room a perfect agent needs."""
     heldout_tasks: int = 200
-    """Held-out tasks evaluated after SFT and after every step."""
+    """Held-out tasks evaluated after SFT and after every step (a suite's held-out tasks, at most
+    this many)."""
+    suite: str = ""
+    """A task-suite directory (see ``examples/repo_tasks/README.md``): its tasks are run by the
+    agent program of ``external``. Empty: the vault tasks, run by the native agent."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class RunConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    external: ExternalAgent = field(default_factory=ExternalAgent)
+    """The agent program of suite tasks (``task.suite``)."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -169,6 +176,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("cluster.execution_slots", cfg.cluster.execution_slots)
     _positive("cluster.torch_threads", cfg.cluster.torch_threads)
     _positive("cluster.engine_max_batch", cfg.cluster.engine_max_batch)
+    if cfg.task.suite:
+        from gyreflow.agents.sources import SuiteSource
+
+        try:
+            SuiteSource(cfg)
+        except ValueError as err:
+            raise ConfigError(f"task.suite: {err}") from None
     if cfg.model.hidden_size % cfg.model.num_heads:
         raise ConfigError(
             f"model.hidden_size ({cfg.model.hidden_size}) must be a multiple of model.num_heads ({cfg.model.num_heads})"
@@ -211,6 +225,15 @@ def _coerce(name: str, typ, value):
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string, got {value!r}")
         return value
+    origin = getattr(typ, "__origin__", None)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{name} must be a table of strings, got {value!r}")
+        return dict(value)
     return value
 
 
@@ -222,7 +245,10 @@ def _build(prefix: str, cls, values: dict):
         where = f"{prefix}." if prefix else ""
         raise ConfigError(f"unknown field {where}{sorted(unknown)[0]}; allowed: {', '.join(sorted(known))}")
     kwargs = {k: _coerce(f"{prefix}.{k}" if prefix else k, hints[k], v) for k, v in values.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a dataclass's own validation
+        raise ConfigError(f"{prefix or cls.__name__}: {err}") from None
 
 
 def _merge(base: dict, override: dict) -> dict:

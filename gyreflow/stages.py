@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from distributed import get_worker
 
-from gyreflow.agents.demos import demonstrations
 from gyreflow.agents.external import ExternalAgent, run_external
 from gyreflow.agents.loop import AgentConfig, run_agent
 from gyreflow.agents.suite import SuiteTask
-from gyreflow.agents.tasks import Task, make_tasks
+from gyreflow.agents.sources import task_source
+from gyreflow.agents.tasks import Task
 from gyreflow.algo import ADVANTAGES
 from gyreflow.cluster.router import Router
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
@@ -42,7 +42,8 @@ def _published(model, version: int, optim, run: str) -> dict:
 def sft_fingerprint(cfg) -> str:
     """Identifies an SFT result: same model, task and SFT settings give the same checkpoint."""
     key = json.dumps({"model": asdict(cfg.model), "task": asdict(cfg.task), "sft": asdict(cfg.sft),
-                      "agent": asdict(cfg.agent), "seed": cfg.rl.seed}, sort_keys=True)
+                      "agent": asdict(cfg.agent), "seed": cfg.rl.seed,
+                      **({"external": asdict(cfg.external)} if cfg.task.suite else {})}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -59,8 +60,7 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: 
         metrics["cached"] = str(cached)
     else:
         model = build_policy(cfg.model, seed=cfg.rl.seed)
-        tasks = make_tasks("sft", cfg.sft.demos, cfg.task.horizon, cfg.task.spare_calls)
-        demos = demonstrations(tasks, cfg.agent, cfg.sft.noise, seed=cfg.rl.seed)
+        demos = task_source(cfg).demonstrations()
         samples = [PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, 0.0)
                    for d in demos for p in build_tree(d).paths()]
         trainer = Trainer(model, cfg.optim)

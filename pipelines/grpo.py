@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from distributed import Client, Future
 
-from gyreflow.agents.tasks import make_tasks
+from gyreflow.agents.sources import TaskSource, task_source
 from gyreflow.cluster.local import cells_of, check_pools, install
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.config import RunConfig, placement_options
@@ -67,7 +67,8 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
     report = Report(run_dir, archive=str(archive), checkpoint=str(run_dir / "checkpoints" / "final"),
                     config=cfg.to_json(), heldout_tasks=cfg.task.heldout_tasks, heldout_temperature=cfg.agent.temperature)
     t_run = time.time()
-    heldout = make_tasks("heldout", cfg.task.heldout_tasks, cfg.task.horizon, cfg.task.spare_calls)
+    source = task_source(cfg)
+    heldout = source.heldout()
 
     # 1. SFT warm start on a trainer cell; its weights become version 0 on every engine.
     log("SFT warm start on synthetic demonstrations ...")
@@ -76,7 +77,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
     published = client.submit(weights_of, state, key="weights-v0")
     publish(client, STAGES, published, engine_cells(client, cfg), version=0)
     sft = state.result()["metrics"]
-    initial, initial_writes = evaluate(client, heldout, cfg, version=0, archive=archive, step=0)
+    initial, initial_writes = evaluate(client, heldout, source, cfg, version=0, archive=archive, step=0)
     report.set(initial_heldout_pass_rate=initial["pass_rate"], initial_heldout_mean_reward=initial["mean_reward"], sft=sft)
     log(f"SFT policy: held-out pass rate {initial['pass_rate']:.3f} (mean reward {initial['mean_reward']:.3f})")
 
@@ -85,13 +86,13 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
     last_finish = time.time()
     for step in range(cfg.rl.steps):
         while in_flight and in_flight[0].step <= step - cfg.rl.staleness - 1:
-            last_finish = finish(client, in_flight.popleft(), cfg, heldout, archive, report, log, last_finish, t_run)
-        in_flight.append(launch(client, step, cfg, archive, state, published))
+            last_finish = finish(client, in_flight.popleft(), cfg, heldout, source, archive, report, log, last_finish, t_run)
+        in_flight.append(launch(client, step, cfg, source, archive, state, published))
         if step == 0:  # the SFT policy's held-out executions are archived with step 0
             in_flight[0].writes.extend(initial_writes)
         state, published = in_flight[-1].futures.update, in_flight[-1].futures.published
     while in_flight:
-        last_finish = finish(client, in_flight.popleft(), cfg, heldout, archive, report, log, last_finish, t_run)
+        last_finish = finish(client, in_flight.popleft(), cfg, heldout, source, archive, report, log, last_finish, t_run)
     save_checkpoint(state.result(), str(run_dir / "checkpoints" / "final"))
     report.set(total_wall_s=time.time() - t_run, completed=True,
                placement=client.sync(client.scheduler.gyreflow_pools))
@@ -110,15 +111,14 @@ def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
     return pools[ROLLOUT] if cfg.cluster.placement == "async" else pools[ROLLOUT] + pools[TRAINER]
 
 
-def launch(client: Client, step: int, cfg: RunConfig, archive: Path, state: Future, published: Future) -> StepInFlight:
+def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archive: Path, state: Future,
+           published: Future) -> StepInFlight:
     """Submit one step's tasks and its executions' archive writes."""
-    tasks = make_tasks("train", cfg.rl.tasks_per_step, cfg.task.horizon, cfg.task.spare_calls,
-                       start=step * cfg.rl.tasks_per_step)
+    tasks = source.train(step, cfg.rl.tasks_per_step)
     groups = [
-        Group(task.task_id, [(eid := f"execution-{step}-{task.task_id}-{sample}",
-                              (task, cfg.agent, eid, step, sample, cfg.rl.seed))
-                             for sample in range(cfg.rl.samples_per_task)])
-        for task in tasks
+        Group(name, [(eid := f"execution-{step}-{name}-{sample}", (task, source.agent(), eid, step, sample, cfg.rl.seed))
+                     for sample in range(cfg.rl.samples_per_task)])
+        for name, task in zip(group_names(tasks), tasks)
     ]
     loss_kwargs = {"clip_eps": cfg.rl.clip_eps} if cfg.rl.loss == "ppo_clip" else {}
     futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage,),
@@ -128,13 +128,25 @@ def launch(client: Client, step: int, cfg: RunConfig, archive: Path, state: Futu
     return StepInFlight(futures, writes)
 
 
-def evaluate(client: Client, heldout, cfg: RunConfig, version: int, archive: Path, step: int) -> tuple[dict, list[Future]]:
+def group_names(tasks) -> list[str]:
+    """A name per group: the task id, suffixed ``.r`` when a small suite repeats a task in a step."""
+    seen: dict[str, int] = {}
+    names = []
+    for task in tasks:
+        r = seen[task.task_id] = seen.get(task.task_id, -1) + 1
+        names.append(task.task_id if r == 0 else f"{task.task_id}.{r}")
+    return names
+
+
+def evaluate(client: Client, heldout, source: TaskSource, cfg: RunConfig, version: int, archive: Path,
+             step: int) -> tuple[dict, list[Future]]:
     """Pass rate and mean reward of the policy now on the engines, on the held-out tasks; and the
     writes of those executions (split ``heldout``) into the archive's ``step``."""
     futures, writes = [], []
     for i, task in enumerate(heldout):
         eid = f"eval-v{version}-{i}"
-        futures.append(client.submit(run_execution, task, cfg.agent, eid, step, 0, cfg.rl.seed, key=eid, resources=SLOT))
+        futures.append(client.submit(run_execution, task, source.agent(), eid, step, 0, cfg.rl.seed, key=eid,
+                                     resources=SLOT))
         writes.append(client.submit(write_execution, str(archive), futures[-1], key=f"archive-{eid}", resources=SLOT))
     results = client.gather(futures)
     summary = {"pass_rate": float(np.mean([r.passed for r in results])),
@@ -142,12 +154,12 @@ def evaluate(client: Client, heldout, cfg: RunConfig, version: int, archive: Pat
     return summary, writes
 
 
-def finish(client, sf: StepInFlight, cfg, heldout, archive, report, log, last_finish, t_run) -> float:
+def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log, last_finish, t_run) -> float:
     """Publish the step's update, evaluate it, commit the step to the archive and the report."""
     trained = sf.futures.update.result()
     version = trained["version"]
     publish(client, STAGES, sf.futures.published, engine_cells(client, cfg), version)
-    ev, eval_writes = evaluate(client, heldout, cfg, version, archive, sf.step)
+    ev, eval_writes = evaluate(client, heldout, source, cfg, version, archive, sf.step)
     results = client.gather(sf.futures.executions)
     summaries = client.gather(sf.writes + eval_writes)
     tokens = int(sum(r.tokens_generated for r in results))

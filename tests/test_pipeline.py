@@ -83,3 +83,27 @@ def test_on_policy_staleness_zero(cluster, tmp_path, tiny_overrides):
                 continue
             ex = reader.load_execution(step, eid)
             assert np.all(np.concatenate([c.versions for c in ex.calls]) == step)
+
+
+def test_suite_tasks_train_the_unmodified_example_agent(cluster, tmp_path, tiny_overrides):
+    """``task.suite``: the example agent program (only the openai SDK) is demonstrated to through
+    the proxy for the SFT warm start, then run as external executions whose recorded calls are
+    trained on."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("task.", "agent.max_context"))] + [
+        "task.suite=examples/repo_tasks", "task.heldout_tasks=2", "agent.max_context_tokens=3000",
+        "rl.tasks_per_step=2", "external.max_calls=3", "external.max_tokens_per_call=200",
+        'external.env={"AGENT_MAX_TURNS": "3", "AGENT_MAX_TOKENS": "200"}']
+    cfg = load_config(None, overrides)
+    with Client(cluster) as client:
+        report = find_pipeline("grpo").run(client, cfg, tmp_path, log=lambda *_: None)
+    assert report["completed"] and report["sft"]["demos"] == 4 and report["sft"]["demo_pass_rate"] == 1.0
+    reader = ArchiveReader(tmp_path / "archive.zarr")
+    assert reader.committed_steps == [0, 1]
+    train = [reader.load_execution(1, e) for e in reader.executions(1) if e.startswith("execution-")]
+    assert {ex.task_id for ex in train} == {"greet", "largest"}  # the suite's train tasks, in turn
+    for ex in train:
+        assert ex.calls and len(ex.calls) <= 3 and ex.end_reason in ("done", "crash", "max_calls")
+        assert ex.metrics["returncode"] is not None and 0.0 <= ex.reward <= 1.0
+        versions = np.concatenate([c.versions for c in ex.calls])
+        assert versions.min() >= 0 and versions.max() <= 1
+    assert report["steps"][-1]["train"]["trained_tokens"] > 0

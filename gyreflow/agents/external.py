@@ -44,10 +44,18 @@ class ExternalAgent:
     """Calls of one execution running at once."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the program."""
+    demo_write_tool: str = "write_file"
+    """The program's tool that writes a file (``path``, ``content``): the SFT demonstrator writes
+    each file of a task's solution with it."""
+    demo_finish_tool: str = "finish"
+    """The program's tool that ends the task: the demonstrator's last call."""
 
     def __post_init__(self) -> None:
-        if not self.command or not all(isinstance(a, str) and a for a in self.command):
+        if isinstance(self.command, str) or not self.command or not all(isinstance(a, str) and a for a in self.command):
             raise ValueError("ExternalAgent.command must be a non-empty list of strings")
+        object.__setattr__(self, "command", tuple(self.command))
+        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError("ExternalAgent.env must map names to strings")
         if self.time_limit_s <= 0:
             raise ValueError(f"ExternalAgent.time_limit_s must be positive, got {self.time_limit_s}")
 
