@@ -285,6 +285,29 @@ def bench_placement(workload_name, modes, splits, steps, time_scale, consolidate
         console.print(f"figures written to {json_path}")
 
 
+@bench.command("proxy")
+@click.option("--calls", type=click.IntRange(1), default=2000, show_default=True, help="Timed calls of each path.")
+@click.option("--warmup", type=click.IntRange(0), default=200, show_default=True, help="Untimed calls of each path first.")
+@click.option("--messages", type=click.IntRange(2), default=8, show_default=True, help="Messages of the request.")
+@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
+              help="Above 1, also this many client threads at once.")
+@click.option("--client", "client_kind", type=click.Choice(["http", "openai"]), default="http", show_default=True,
+              help="http: http.client on one keep-alive connection; openai: the official SDK.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_proxy(calls, warmup, messages, concurrency, client_kind, json_path) -> None:
+    """Latency the OpenAI-compatible proxy adds per call over a direct engine call (zero-cost engine)."""
+    import json
+
+    from gyreflow.bench.proxy import format_proxy, run_bench
+
+    _quiet()
+    out = run_bench(calls=calls, warmup=warmup, prompt_messages=messages, concurrency=concurrency, client=client_kind)
+    console.print(format_proxy(out))
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"figures written to {json_path}")
+
+
 @bench.command("modes")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")

@@ -521,3 +521,15 @@ def test_turn_cache_encodes_exactly_as_the_whole_text(tok):
         text = "".join(rng.choice(alphabet, size=int(rng.integers(60, 400))))
         assert r.encode(text) == r._encode_whole(text) == r.encode(text)
     assert r._cached <= 4096
+
+
+def test_prompt_longer_than_the_engine_holds(proxy, engine):
+    """The engine's own refusal is the client's 400; the budget's in-flight slot is given back."""
+    ex = Exec(proxy, engine, budget=Budget(max_inflight=1))
+    c = ex.client(max_retries=0)
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model=MODEL, messages=user("x" * 5000), max_tokens=4)
+        assert err.value.code == "context_length_exceeded"
+    assert not ex.records and ex.session.inflight == 0
+    assert c.chat.completions.create(model=MODEL, messages=user(), max_tokens=4).choices and len(ex.records) == 1

@@ -99,13 +99,13 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
     session.remember(reply)
     try:
         result = await session.generate(GenerationRequest(f"{eid}/{index}", prompt, params, session=eid))
-    except (ApiError, ValueError, RuntimeError, OSError) as err:
+    except BaseException as err:
+        # Whatever happened, a retry waiting on this call must hear of it, and may try again.
         session.replies.pop(key, None)
-        out = err if isinstance(err, ApiError) else (
-            bad_request(f"the engine refused the request: {err}", code="context_length_exceeded")
-            if isinstance(err, ValueError) else
-            ApiError(503, f"no engine could serve the call: {err}", type="server_error", code="engine_unavailable"))
+        out = _engine_error(err)
         reply.done.set_exception(out)
+        if isinstance(err, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+            raise
         raise out from None
     finally:
         session.inflight -= 1
@@ -121,6 +121,16 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
         session.conversations[reply.response_id] = messages + [turn]
     reply.done.set_result(reply)
     return reply
+
+
+def _engine_error(err: BaseException) -> ApiError:
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, ValueError):  # the engine's own check of the request, e.g. a prompt too long
+        return bad_request(f"the engine refused the request: {err}", code="context_length_exceeded")
+    if isinstance(err, (RuntimeError, OSError)):  # no engine, or its worker went away
+        return ApiError(503, f"no engine could serve the call: {err}", type="server_error", code="engine_unavailable")
+    return ApiError(500, f"the call failed: {type(err).__name__}: {err}", type="server_error")
 
 
 def _interpret(reply: Reply, spec: CallSpec, forced: str, card: ModelCard) -> None:
