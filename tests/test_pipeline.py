@@ -85,16 +85,16 @@ def test_on_policy_staleness_zero(cluster, tmp_path, tiny_overrides):
             assert np.all(np.concatenate([c.versions for c in ex.calls]) == step)
 
 
-def test_suite_tasks_train_the_unmodified_example_agent(cluster, tmp_path, tiny_overrides):
+def test_suite_tasks_train_the_unmodified_example_agent(tmp_path, tiny_overrides):
     """``task.suite``: the example agent program (only the openai SDK) is demonstrated to through
     the proxy for the SFT warm start, then run as external executions whose recorded calls are
-    trained on."""
+    trained on. (A cluster of its own: engines keep the context length of the first run they served.)"""
     overrides = [o for o in tiny_overrides if not o.startswith(("task.", "agent.max_context"))] + [
         "task.suite=examples/repo_tasks", "task.heldout_tasks=2", "agent.max_context_tokens=3000",
         "rl.tasks_per_step=2", "external.max_calls=3", "external.max_tokens_per_call=200",
         'external.env={"AGENT_MAX_TURNS": "3", "AGENT_MAX_TOKENS": "200"}']
     cfg = load_config(None, overrides)
-    with Client(cluster) as client:
+    with local_cluster(PoolSpec(rollout=1, trainer=1, execution_slots=8)) as cluster, Client(cluster) as client:
         report = find_pipeline("grpo").run(client, cfg, tmp_path, log=lambda *_: None)
     assert report["completed"] and report["sft"]["demos"] == 4 and report["sft"]["demo_pass_rate"] == 1.0
     reader = ArchiveReader(tmp_path / "archive.zarr")
@@ -106,4 +106,9 @@ def test_suite_tasks_train_the_unmodified_example_agent(cluster, tmp_path, tiny_
         assert ex.metrics["returncode"] is not None and 0.0 <= ex.reward <= 1.0
         versions = np.concatenate([c.versions for c in ex.calls])
         assert versions.min() >= 0 and versions.max() <= 1
-    assert report["steps"][-1]["train"]["trained_tokens"] > 0
+    assert [s["version"] for s in report["steps"]] == [1, 2]
+    # A step trains its executions' recorded completions (an empty update when none made a call).
+    for entry in report["steps"]:
+        execs = [reader.load_execution(entry["step"], e) for e in reader.executions(entry["step"])
+                 if e.startswith("execution-")]
+        assert (entry["train"]["trained_tokens"] > 0) == any(ex.calls for ex in execs)

@@ -70,3 +70,21 @@ def test_share_at_another_version_is_refused():
     t.version = 3
     with pytest.raises(ValueError, match="computed at version 2, the trainer is at 3"):
         t.apply_gradients([share])
+
+
+def test_a_step_with_nothing_to_train_still_advances_the_version():
+    """Every advantage zero: the weights stay, the version counts the step (pipelines key their
+    evaluations and publications by version)."""
+    import torch
+
+    from gyreflow.model import ModelConfig, build_policy
+    from gyreflow.train.trainer import OptimConfig, Trainer
+
+    model = build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2))
+    trainer = Trainer(model, OptimConfig(), version=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = trainer.apply_gradients([{"version": 3, "tokens": 0, "oldest": None, "grads": {}, "sums": {},
+                                    "padded_tokens": 0}])
+    assert out["version"] == trainer.version == 4 and out["trained_tokens"] == 0
+    assert trainer.rl_step([])["version"] == 5
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -21,6 +21,18 @@ from gyreflow.proxy.sessions import Budget, Generate, Session
 from gyreflow.trajectory.records import ExecutionResult
 
 
+OFFLINE_ENV = {
+    # Harnesses that phone home at start-up (price lists, traces, telemetry) must not hang an
+    # offline execution; these are the switches common ones read. ``ExternalAgent.env`` wins.
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "OPENAI_AGENTS_DISABLE_TRACING": "1",
+    "DO_NOT_TRACK": "1",
+    "ANONYMIZED_TELEMETRY": "False",
+    "HF_HUB_OFFLINE": "1",
+    "NO_PROXY": "127.0.0.1,localhost",
+}
+
+
 @dataclass(frozen=True)
 class ExternalAgent:
     """How to run an agent program for an execution.
@@ -123,7 +135,8 @@ def run_external(task: SuiteTask, agent: ExternalAgent, host: SessionHost, gener
     (workdir / "TASK.md").write_text(task.prompt)
     session = host.open(execution_id, generate, budget=agent.budget(task), seed=seed)
     try:
-        env = agent_environment({**host.environment(session), **agent.env, "GYREFLOW_TASK_ID": task.task_id})
+        env = agent_environment({**OFFLINE_ENV, **host.environment(session), **agent.env,
+                                 "GYREFLOW_TASK_ID": task.task_id})
         outcome = run_process(agent.argv(task, workdir), workdir, env, agent.limits(task))
     finally:
         session = host.close(execution_id)

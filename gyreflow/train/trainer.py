@@ -132,6 +132,9 @@ class Trainer:
         total = sum(p["tokens"] for p in parts)
         oldest = [p["oldest"] for p in parts if p["oldest"] is not None]
         if total == 0:
+            # Nothing to learn (every advantage zero): an empty update. The version still
+            # advances, so a version always counts the steps applied.
+            self.version += 1
             return {"trained_tokens": 0, "max_staleness": 0, "version": self.version}
         for name, param in self.model.named_parameters():
             g = sum(p["grads"][name] for p in parts) / total
@@ -155,6 +158,8 @@ class Trainer:
         """One policy-gradient step with the registered ``loss`` (importance ratio vs behaviour)."""
         oldest = self._oldest(samples)
         out = self._apply(pack(samples, self.cfg.micro_batch_tokens), self._rl_loss(loss, **loss_kwargs))
+        if out["trained_tokens"] == 0:
+            self.version += 1  # an empty update is still a step (see apply_gradients)
         # Staleness of the oldest trained token: versions behind the weights that were updated.
         out["max_staleness"] = int(self.version - 1 - oldest) if oldest is not None else 0
         out["version"] = self.version
