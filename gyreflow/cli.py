@@ -177,7 +177,7 @@ def serve(checkpoint, out, host, port, sessions, model_name, max_calls, token_bu
         budget = Budget(max_calls=max_calls, token_budget=token_budget, max_tokens_per_call=max_tokens_per_call,
                         time_limit_s=time_limit)
         server = Serve(checkpoint, run_dir, host=host, port=port, model_name=model_name, budget=budget)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError) as err:  # not a checkpoint, a port in use, an address not here
         console.print(f"[red]error:[/red] {err}")
         sys.exit(2)
     stop = threading.Event()

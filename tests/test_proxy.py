@@ -533,3 +533,102 @@ def test_prompt_longer_than_the_engine_holds(proxy, engine):
         assert err.value.code == "context_length_exceeded"
     assert not ex.records and ex.session.inflight == 0
     assert c.chat.completions.create(model=MODEL, messages=user(), max_tokens=4).choices and len(ex.records) == 1
+
+
+# -- found in review: each of these once went wrong ------------------------------------------
+
+def test_concurrent_calls_share_the_token_budget(proxy, engine):
+    """Calls running at once reserve their max_tokens: together they never exceed the budget."""
+    ex = Exec(proxy, engine, delay_s=0.3, budget=Budget(token_budget=16, max_tokens_per_call=64, max_inflight=8))
+
+    async def main():
+        c = ex.aclient(max_retries=0)
+        outs = await asyncio.gather(*[c.chat.completions.create(model=MODEL, messages=user(f"{i}"), max_tokens=64)
+                                      for i in range(6)], return_exceptions=True)
+        await c.close()
+        return outs
+
+    outs = asyncio.run(main())
+    assert sum(len(r.completion_ids) for r in ex.records) <= 16
+    assert any(isinstance(o, openai.RateLimitError) for o in outs)
+    assert ex.session.tokens_reserved == 0 and ex.session.inflight == 0
+
+
+def test_identical_requests_at_once_are_separate_samples(proxy, engine):
+    """Best-of-n with identical parallel requests: n engine calls, n records (no retry mark)."""
+    ex = Exec(proxy, engine, delay_s=0.3)
+    body = {"model": MODEL, "messages": user(), "max_tokens": 6}
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(ex.post("/chat/completions", body))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [o[0] for o in outs] == [200] * 3 and len({o[2]["id"] for o in outs}) == 3
+    assert len(ex.journal.served) == 3 and len(ex.records) == 3
+
+
+def test_parallel_calls_split_over_messages_are_rendered_as_sent(proxy, engine, tok):
+    """A turn's calls sent back in two assistant messages: neither is that turn, so the sampled
+    turn is not spliced in (twice); the prompt is the messages as sent."""
+    ex = Exec(proxy, engine)
+    c = ex.client()
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": TASK}], tools=TOOLS,
+                                  temperature=0, max_tokens=80)
+    call = r.choices[0].message.tool_calls[0]
+    ex.session.turns[call.id] = (frozenset({call.id, "call_other"}), ex.session.turns[call.id][1])
+    messages = [{"role": "user", "content": TASK},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function",
+                                                                      "function": {"name": "go", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "opened"}]
+    c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4)
+    assert ex.records[1].prompt_ids.tolist() == rendered(tok, messages, TOOLS)
+
+
+def test_refused_stream_is_an_http_error_and_odd_content_renders(proxy, engine, tok):
+    ex = Exec(proxy, engine, budget=Budget(max_calls=1))
+    c = ex.client(max_retries=0)
+    glyphs = "nerd font \ue000\ue001 glyphs and a NUL \x00 byte"
+    chunks = list(c.chat.completions.create(model=MODEL, messages=user(glyphs), max_tokens=4, stream=True))
+    assert chunks and ex.records[0].prompt_ids.tolist() == rendered(tok, user(glyphs))
+    with pytest.raises(openai.RateLimitError):  # a real HTTP 429, not an error event inside a 200
+        list(c.chat.completions.create(model=MODEL, messages=user(), max_tokens=4, stream=True))
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "messages": user(), "temperature": 10 ** 400}, "temperature"),
+    ({"model": MODEL, "messages": user(), "seed": 2 ** 64}, "seed"),
+    ({"model": MODEL, "messages": user(), "tools": TOOLS, "tool_choice": {"type": "function", "function": "go"}},
+     "tool_choice"),
+])
+def test_out_of_range_values_are_400s(proxy, engine, body, param):
+    ex = Exec(proxy, engine)
+    code, _, out = ex.post("/chat/completions", body)
+    assert code == 400 and out["error"]["param"] == param and not ex.journal.served
+    code, _, out = ex.post("/completions", {"model": MODEL, "prompt": [10 ** 30]})
+    assert code == 400 and out["error"]["param"] == "prompt"
+    assert ex.session.calls_started == 0
+
+
+def test_null_tool_choice_and_pinned_seeds(proxy, engine):
+    """A pinned client seed still gives each execution its own sample."""
+    seeds = []
+    for _ in range(4):
+        ex = Exec(proxy, engine)
+        r = ex.client().chat.completions.create(model=MODEL, messages=user(), tools=TOOLS, tool_choice=None,
+                                                 max_tokens=12, seed=42)
+        assert r.choices
+        seeds.append(ex.journal.served[0][0].params.seed)
+    assert len(set(seeds)) == 4
+
+
+def test_previous_response_keeps_only_current_instructions(proxy, engine, tok):
+    ex = Exec(proxy, engine)
+    c = ex.client()
+    r = c.responses.create(model=MODEL, input="one", instructions="act", max_output_tokens=4)
+    for i in range(2):
+        r = c.responses.create(model=MODEL, input=f"turn {i}", instructions="act", previous_response_id=r.id,
+                               max_output_tokens=4)
+    system = tok.convert_tokens_to_ids("<|system|>")
+    assert ex.records[-1].prompt_ids.tolist().count(system) == 1
+    assert ex.records[-1].prompt_ids.tolist()[0] == system

@@ -96,3 +96,17 @@ def test_serve_refuses_a_bad_checkpoint(tmp_path):
                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a checkpoint directory" in out.stdout
     assert not (tmp_path / "run" / "archive.zarr").exists()
+
+
+def test_serve_on_a_busy_port_leaves_nothing_behind(checkpoint, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "gyreflow.cli", "serve", "--checkpoint", str(checkpoint),
+                              "--out", str(tmp_path / "run"), "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "error" in out.stdout
+    assert not (tmp_path / "run" / "archive.zarr").exists()

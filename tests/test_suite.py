@@ -132,3 +132,11 @@ def test_apply_solution_writes_nested_files(tmp_path):
     assert (workdir / "pkg" / "mod.py").read_text() == "X = 1\n"
     with pytest.raises(ValueError, match="has no solution"):
         apply_solution(dataclasses.replace(task, solution=()), workdir)
+
+
+def test_task_directory_names_must_fit_execution_ids(tmp_path):
+    task = tmp_path / "add two numbers"
+    (task / "workspace").mkdir(parents=True)
+    (task / "task.json").write_text('{"prompt": "p", "tests": ["true"]}')
+    with pytest.raises(ValueError, match="must match"):
+        load_suite(tmp_path)

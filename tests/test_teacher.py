@@ -62,3 +62,38 @@ def test_bad_suite_configs(tmp_path):
         load_config(None, ["external.command=[]"])
     with pytest.raises(ConfigError, match="external.env"):
         load_config(None, ['external.env={"A": 1}'])
+
+
+REQUIRED_AGENT = '''
+import json, os, openai
+c = openai.OpenAI()
+tools = [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object",
+          "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "finish", "parameters": {"type": "object", "properties": {}}}}]
+messages = [{"role": "user", "content": open("TASK.md").read()}]
+for _ in range(4):
+    r = c.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages, tools=tools,
+                                  tool_choice="required", max_tokens=300)
+    m = r.choices[0].message
+    messages.append(m.model_dump(exclude_none=True))
+    for call in m.tool_calls or []:
+        if call.function.name == "finish":
+            raise SystemExit(0)
+        args = json.loads(call.function.arguments)
+        open(args["path"], "w").write(args["content"])
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "written"})
+'''
+
+
+def test_demonstrations_continue_a_forced_tool_call():
+    """A program that demands a tool call (tool_choice=required): the prompt already holds the
+    call's opening, and the demonstration continues it instead of writing it twice."""
+    tok = build_tokenizer()
+    tasks = [t for t in load_suite(REPO / "examples" / "repo_tasks") if t.task_id == "add"]
+    agent = ExternalAgent(command=(sys.executable, "-c", REQUIRED_AGENT))
+    (demo,) = suite_demonstrations(tasks, agent, model_card(tok))
+    assert demo.passed and len(demo.calls) == 2
+    forced = '<tool_call>{"name": "'
+    for c in demo.calls:
+        assert tok.decode(c.prompt_ids).endswith(forced)
+        assert not tok.decode(c.completion_ids).startswith("<tool_call>")

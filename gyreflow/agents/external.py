@@ -131,9 +131,13 @@ def run_external(task: SuiteTask, agent: ExternalAgent, host: SessionHost, gener
     """
     root = Path(workdir_root or tempfile.gettempdir()) / "gyreflow-workspaces"
     root.mkdir(parents=True, exist_ok=True)
-    workdir = prepare_workspace(task, root)
-    (workdir / "TASK.md").write_text(task.prompt)
     session = host.open(execution_id, generate, budget=agent.budget(task), seed=seed)
+    try:
+        workdir = prepare_workspace(task, root)
+    except BaseException:
+        host.close(execution_id)
+        raise
+    (workdir / "TASK.md").write_text(task.prompt)
     try:
         env = agent_environment({**OFFLINE_ENV, **host.environment(session), **agent.env,
                                  "GYREFLOW_TASK_ID": task.task_id})

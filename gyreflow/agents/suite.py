@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -116,8 +117,15 @@ def load_suite(path: str | Path) -> list[SuiteTask]:
     return tasks
 
 
+TASK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+"""Task directory names: they become parts of execution ids and session URLs."""
+
+
 def _load_task(task_dir: Path) -> SuiteTask:
     spec_path = task_dir / "task.json"
+    if not TASK_ID.match(task_dir.name):
+        raise ValueError(f"{task_dir}: a task directory's name must match {TASK_ID.pattern} (it names the task "
+                         "in execution ids and URLs)")
     if not spec_path.is_file():
         raise ValueError(f"{spec_path}: missing (every task directory needs a task.json)")
     try:

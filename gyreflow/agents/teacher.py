@@ -44,6 +44,10 @@ class Demonstrator:
         name, args = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1
         text = "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+        # When the program demands a tool call, the proxy has already put its opening in the
+        # prompt: continue from there.
+        tail = self.card.renderer.decode(np.asarray(request.prompt_ids)[-64:])
+        text = text[next((k for k in range(min(len(tail), len(text)), 0, -1) if tail.endswith(text[:k])), 0):]
         ids = self.card.renderer.encode(text) + [self.card.renderer.eos_id]
         # Cut like an engine would: a call that does not fit its max_tokens ends with "length".
         finish = "stop" if len(ids) <= request.params.max_tokens else "length"

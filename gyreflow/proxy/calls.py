@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +31,13 @@ class ModelCard:
     renderer: ChatRenderer
     parser: ToolCallParser
     vocab_size: int
+    _big: ChatRenderer | None = field(default=None, repr=False)
+
+    def big_renderer(self) -> ChatRenderer:
+        """A renderer of its own (tokenizer copy, no shared cache) for prompts rendered off the loop."""
+        if self._big is None:
+            self._big = ChatRenderer(copy.deepcopy(self.renderer.tokenizer), cache_tokens=0)
+        return self._big
 
     def check_model(self, model: str) -> None:
         if model != self.name:
@@ -46,7 +55,8 @@ def call_role(header: str | None, session: Session) -> str:
     return header
 
 
-def _messages(spec: CallSpec, session: Session) -> list[dict]:
+def _history(spec: CallSpec, session: Session) -> list[dict]:
+    """The conversation so far: the stored one of ``previous_response_id``, then the new input."""
     if spec.previous_response_id is None:
         return spec.messages
     before = session.conversations.get(spec.previous_response_id)
@@ -56,22 +66,55 @@ def _messages(spec: CallSpec, session: Session) -> list[dict]:
     return before + spec.messages
 
 
-def _prompt(spec: CallSpec, session: Session, card: ModelCard) -> tuple[np.ndarray, str, list[dict] | None]:
-    """Prompt ids, the forced prefix, and (for chat-style calls) the full conversation."""
+BIG_PROMPT_CHARS = 200_000
+"""Conversations longer than this are rendered off the event loop, which serves every session."""
+
+_big_renders = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyreflow-render")
+
+
+@dataclass
+class Prepared:
+    """A call's prompt, ready for the engine: checked before any byte of the reply is sent."""
+
+    prompt: np.ndarray
+    forced: str
+    history: list[dict] | None
+    """Chat-style calls: the conversation without this call's instructions."""
+
+
+async def prepare_call(session: Session, spec: CallSpec, card: ModelCard) -> Prepared:
+    """Admit the call and render its prompt.
+
+    Raises
+    ------
+    ApiError
+        The budget refuses the call, or its prompt is invalid.
+    """
+    session.admit()
     if spec.endpoint == "completions":
-        ids = np.asarray(spec.prompt_ids if spec.prompt_ids is not None else card.renderer.encode(spec.prompt_text),
-                         dtype=np.int32)
+        ids = (np.asarray(spec.prompt_ids, dtype=np.int64) if spec.prompt_ids is not None
+               else np.asarray(card.renderer.encode(spec.prompt_text), dtype=np.int64))
         if len(ids) and (ids.min() < 0 or ids.max() >= card.vocab_size):
             raise bad_request(f"prompt token ids must be in [0, {card.vocab_size})", param="prompt")
-        return ids, "", None
-    messages = _messages(spec, session)
+        return Prepared(ids.astype(np.int32), "", None)
+    history = _history(spec, session)
+    messages = ([{"role": "system", "content": spec.instructions}] if spec.instructions else []) + history
     forced = card.parser.forced_prefix(spec.tool_choice) if spec.tools else ""
-    ids = card.renderer.render(messages, spec.tools, session.restored_turns(messages), forced)
-    return ids, forced, messages
+    restored = session.restored_turns(messages)
+    if sum(len(m["content"]) for m in messages) > BIG_PROMPT_CHARS:
+        # One thread and its own renderer: the tokenizer and the turn cache are not shared.
+        renderer = card.big_renderer()
+        ids = await asyncio.get_running_loop().run_in_executor(
+            _big_renders, renderer.render, messages, spec.tools, restored, forced)
+    else:
+        ids = card.renderer.render(messages, spec.tools, restored, forced)
+    if len(ids) == 0:
+        raise bad_request("the prompt is empty", param="prompt")
+    return Prepared(ids, forced, history)
 
 
 async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard, *, retry: bool = False,
-                     role: str | None = None) -> Reply:
+                     role: str | None = None, prepared: Prepared | None = None) -> Reply:
     """The reply to one request: a retry's earlier reply, or a new engine call.
 
     Raises
@@ -82,23 +125,25 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
     earlier = session.existing(key, retry)
     if earlier is not None:
         return await asyncio.shield(earlier.done)
-    session.admit()
-    prompt, forced, messages = _prompt(spec, session, card)
-    if len(prompt) == 0:
-        raise bad_request("the prompt is empty", param="prompt")
+    if prepared is None:
+        prepared = await prepare_call(session, spec, card)
     index = session.calls_started
     eid = session.execution_id
-    seed = spec.seed if spec.seed is not None else call_seed(session.seed, eid, index)
-    params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=session.max_tokens(spec.max_tokens),
+    # A seed the client pins (harness configs often do) is mixed with the execution's, so the
+    # executions of a group still sample differently.
+    seed = call_seed(session.seed, eid if spec.seed is None else f"{eid}#{spec.seed}", index)
+    max_tokens = session.max_tokens(spec.max_tokens)
+    params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=max_tokens,
                             stop=spec.stop, stop_token_ids=(card.renderer.eos_id,), seed=seed)
     reply = Reply(key, asyncio.get_running_loop().create_future(), call_index=index, role=role or session.role,
-                  prompt_ids=prompt, created=int(time.time()), t_start=time.time())
+                  prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time())
     reply.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # a lone failure is not "never retrieved"
     session.calls_started += 1
     session.inflight += 1
+    session.tokens_reserved += max_tokens
     session.remember(reply)
     try:
-        result = await session.generate(GenerationRequest(f"{eid}/{index}", prompt, params, session=eid))
+        result = await session.generate(GenerationRequest(f"{eid}/{index}", prepared.prompt, params, session=eid))
     except BaseException as err:
         # Whatever happened, a retry waiting on this call must hear of it, and may try again.
         session.replies.pop(key, None)
@@ -109,16 +154,17 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
         raise out from None
     finally:
         session.inflight -= 1
+        session.tokens_reserved -= max_tokens
     reply.t_end = time.time()
     reply.result = result
     session.tokens_generated += len(result.completion_ids)
-    _interpret(reply, spec, forced, card)
+    _interpret(reply, spec, prepared.forced, card)
     if spec.endpoint == "responses":
         reply.response_id = "resp_" + secrets.token_hex(16)
         turn = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             turn["tool_calls"] = reply.tool_calls
-        session.conversations[reply.response_id] = messages + [turn]
+        session.conversations[reply.response_id] = prepared.history + [turn]
     reply.done.set_result(reply)
     return reply
 
@@ -126,8 +172,10 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
 def _engine_error(err: BaseException) -> ApiError:
     if isinstance(err, ApiError):
         return err
-    if isinstance(err, ValueError):  # the engine's own check of the request, e.g. a prompt too long
-        return bad_request(f"the engine refused the request: {err}", code="context_length_exceeded")
+    if isinstance(err, ValueError):  # the engine's own check of the request
+        too_long = "engine holds" in str(err)
+        return bad_request(f"the engine refused the request: {err}",
+                           code="context_length_exceeded" if too_long else None)
     if isinstance(err, (RuntimeError, OSError)):  # no engine, or its worker went away
         return ApiError(503, f"no engine could serve the call: {err}", type="server_error", code="engine_unavailable")
     return ApiError(500, f"the call failed: {type(err).__name__}: {err}", type="server_error")

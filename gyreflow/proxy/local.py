@@ -35,7 +35,13 @@ class ProxyThread:
         self._thread.start()
         self.server = ProxyServer(self.registry, card, host=host, port=port, max_body_bytes=max_body_bytes,
                                   extra_handlers=extra_handlers)
-        self._call(self._start)
+        try:
+            self._call(self._start)
+        except BaseException:  # e.g. the port is taken: leave no thread behind
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+            raise
 
     async def _start(self) -> None:
         self.server.start()

@@ -10,14 +10,10 @@ prompt is never assumed to extend the previous one.
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 
 import numpy as np
-
-# Private-use code points: they cannot come from a client's JSON by accident in a way that matters,
-# since messages holding them are refused.
-_OPEN, _CLOSE = "\ue000", "\ue001"
-
 
 class ChatRenderer:
     """Render chat messages with a Hugging Face tokenizer's chat template.
@@ -82,20 +78,19 @@ class ChatRenderer:
         ``restored`` maps the index of an assistant message to the exact ids of that turn (what the
         engine sampled, ending in the end-of-turn token when it stopped there).
         """
-        for m in messages:
-            if _OPEN in m["content"] or _CLOSE in m["content"]:
-                from gyreflow.proxy.errors import bad_request
-
-                raise bad_request("message content holds reserved characters U+E000/U+E001", param="messages")
-        shown = [({"role": "assistant", "content": f"{_OPEN}{i}{_CLOSE}"} if i in restored else m)
+        # A placeholder no message holds (drawn anew until so) marks where each restored turn goes.
+        mark = "\x00gyreflow-" + secrets.token_hex(8)
+        while any(mark in m["content"] for m in messages):
+            mark = "\x00gyreflow-" + secrets.token_hex(8)
+        shown = [({"role": "assistant", "content": f"{mark}:{i}:"} if i in restored else m)
                  for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(shown, tools=tools or None, add_generation_prompt=True,
                                                   tokenize=False)
         ids: list[int] = []
         rest = text
-        while _OPEN in rest:
-            before, _, after = rest.partition(_OPEN)
-            index, _, rest = after.partition(_CLOSE)
+        while mark in rest:
+            before, _, after = rest.partition(mark + ":")
+            index, _, rest = after.partition(":")
             ids += self.encode(before)
             turn = [int(t) for t in restored[int(index)]]
             ids += turn

@@ -48,6 +48,8 @@ class CallSpec:
     logprobs: bool = False
     return_token_ids: bool = False
     previous_response_id: str | None = None
+    instructions: str | None = None
+    """Responses API: the system message of this call only (never carried to the next response)."""
 
 
 def _typed(body: dict, name: str, types, what: str, default: Any = None) -> Any:
@@ -63,7 +65,10 @@ def _typed(body: dict, name: str, types, what: str, default: Any = None) -> Any:
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = float(_typed(body, name, _NUMBER, "a number", default))
+    try:
+        value = float(_typed(body, name, _NUMBER, "a number", default))
+    except OverflowError:
+        raise bad_request(f"'{name}' is out of range", param=name) from None
     if not lo <= value <= hi:
         raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {value}", param=name)
     return value
@@ -96,6 +101,8 @@ def _common(spec: CallSpec, body: dict) -> CallSpec:
     if spec.top_p == 0.0:
         raise bad_request("'top_p' must be greater than 0", param="top_p")
     spec.seed = _typed(body, "seed", int, "an integer")
+    if spec.seed is not None and not 0 <= spec.seed < 1 << 63:
+        raise bad_request("'seed' must be in [0, 2**63)", param="seed")
     spec.stream = _typed(body, "stream", bool, "a boolean", False)
     opts = _typed(body, "stream_options", dict, "an object", {})
     spec.include_usage = _typed(opts, "include_usage", bool, "a boolean", False)
@@ -236,9 +243,10 @@ def _tools(body: dict, flat: bool) -> tuple[list[dict], str | tuple[str, str]]:
     names = [t["function"]["name"] for t in norm]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", param="tools")
-    choice = body.get("tool_choice", "auto" if norm else "none")
+    choice = body.get("tool_choice") or ("auto" if norm else "none")
     if isinstance(choice, dict):
-        name = (choice.get("name") if flat or "name" in choice else (choice.get("function") or {}).get("name"))
+        fn = choice.get("function")
+        name = choice.get("name") if flat or "name" in choice else (fn.get("name") if isinstance(fn, dict) else None)
         if choice.get("type") != "function" or not isinstance(name, str):
             raise bad_request("'tool_choice' object must name a function", param="tool_choice")
         if name not in names:
@@ -270,6 +278,8 @@ def parse_completions(body: dict) -> CallSpec:
     if isinstance(prompt, str) and prompt:
         spec.prompt_text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < 1 << 31 for t in prompt):
+            raise bad_request("prompt token ids must be non-negative 32-bit integers", param="prompt")
         spec.prompt_ids = list(prompt)
     else:
         raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
@@ -335,7 +345,8 @@ def parse_responses(body: dict) -> CallSpec:
         messages = _response_items(items)
     else:
         raise bad_request("'input' must be a non-empty string or list of items", param="input")
-    spec.messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
+    spec.messages = messages
+    spec.instructions = instructions
     spec.tools, spec.tool_choice = _tools(body, flat=True)
     spec.max_tokens = _max_tokens(body, "max_output_tokens")
     spec.previous_response_id = _typed(body, "previous_response_id", str, "a string")

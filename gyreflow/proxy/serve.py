@@ -83,19 +83,26 @@ class Serve:
         if not (checkpoint / "config.json").is_file():
             raise ValueError(f"{checkpoint} is not a checkpoint directory (no config.json)")
         self.archive = Path(out_dir) / "archive.zarr"
-        create_archive(self.archive, run_meta={"pipeline": "serve", "checkpoint": str(checkpoint.resolve()),
-                                               "model_name": model_name})
-        self.runner = EngineRunner(TorchEngine.from_checkpoint(checkpoint, max_batch=max_batch)).start()
-        self.backend = EngineBackend(self.runner)
         self.budget = budget or Budget()
         self.seed = seed
         self.admin_key = "gf-admin-" + secrets.token_urlsafe(24)
         self.written: list[str] = []
         self._lock = threading.Lock()
         self._next = 0
+        # Bind first: a busy port leaves no archive and no engine behind.
         self.proxy = ProxyThread(model_card(load_tokenizer(checkpoint), model_name), host=host, port=port,
                                  extra_handlers=[(r"/gyreflow/sessions", _Admin, {"serve": self}),
                                                  (r"/gyreflow/sessions/([^/]+)", _Admin, {"serve": self})])
+        try:
+            self.runner = EngineRunner(TorchEngine.from_checkpoint(checkpoint, max_batch=max_batch)).start()
+            self.backend = EngineBackend(self.runner)
+            create_archive(self.archive, run_meta={"pipeline": "serve", "checkpoint": str(checkpoint.resolve()),
+                                                   "model_name": model_name})
+        except BaseException:
+            self.proxy.stop()
+            if getattr(self, "runner", None) is not None:
+                self.runner.stop()
+            raise
 
     def open_session(self) -> Session:
         """A new session (on the proxy's loop or any thread)."""

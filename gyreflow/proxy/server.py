@@ -17,7 +17,7 @@ import socket
 from tornado import httpserver, netutil, web
 from tornado.iostream import StreamClosedError
 
-from gyreflow.proxy.calls import ModelCard, call_role, serve_call
+from gyreflow.proxy.calls import ModelCard, call_role, prepare_call, serve_call
 from gyreflow.proxy.errors import ApiError, bad_request
 from gyreflow.proxy.requests import PARSERS
 from gyreflow.proxy.responses import BUILDERS, sse
@@ -151,15 +151,21 @@ class Generate(_Handler):
                 session.delivered(reply)
             self.finish(payload)
             return
+        prepared = None
         if session.existing(key, retry) is None:
-            session.admit()  # a refused stream is an HTTP error, not an event
+            # Refusals (budget, bad prompt) are HTTP errors, before the stream begins.
+            prepared = await prepare_call(session, spec, self.proxy.card)
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
         await self.flush()
         try:
-            reply = await serve_call(session, spec, key, self.proxy.card, retry=retry, role=role)
-        except ApiError as err:
-            self.write(sse(err.body()))
+            reply = await serve_call(session, spec, key, self.proxy.card, retry=retry, role=role, prepared=prepared)
+        except Exception as err:
+            if not isinstance(err, ApiError):
+                log.exception("gyreflow proxy: %s failed", self.request.path)
+            out = err if isinstance(err, ApiError) else ApiError(500, "internal error in the gyreflow proxy",
+                                                                  type="server_error")
+            self.write(sse(out.body(), "error" if self.endpoint == "responses" else None))
             self.finish()
             return
         named = self.endpoint == "responses"

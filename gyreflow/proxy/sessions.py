@@ -93,11 +93,14 @@ class Session:
         self.records: list[CallRecord] = []
         self.calls_started = 0
         self.tokens_generated = 0
+        self.tokens_reserved = 0
+        """``max_tokens`` of the calls running: what they may still generate."""
         self.inflight = 0
         self.refused: dict[str, int] = {}
         self.replies: OrderedDict[str, Reply] = OrderedDict()
-        self.turns: dict[object, np.ndarray] = {}
-        """Raw payload cache: tool-call id, or ``("text", content)``, -> the turn's exact ids."""
+        self.turns: dict[object, tuple[frozenset, np.ndarray]] = {}
+        """Raw payload cache: tool-call id, or ``("text", content)``, -> (the turn's call ids, the
+        turn's exact ids)."""
         self.conversations: dict[str, list[dict]] = {}
         """Responses API: response id -> the whole conversation through that response."""
 
@@ -112,7 +115,7 @@ class Session:
                            retry=False)
         if self.calls_started >= b.max_calls:
             reason = f"the execution's {b.max_calls} model calls are spent"
-        elif self.tokens_generated >= b.token_budget:
+        elif self.tokens_generated + self.tokens_reserved >= b.token_budget:
             reason = f"the execution's budget of {b.token_budget} generated tokens is spent"
         elif time.monotonic() - self.opened > b.time_limit_s:
             reason = f"the execution's time limit of {b.time_limit_s:g} s has passed"
@@ -125,19 +128,24 @@ class Session:
                            type="rate_limit_exceeded", code="rate_limit_exceeded", retry=True)
 
     def max_tokens(self, requested: int | None) -> int:
-        cap = min(self.budget.max_tokens_per_call, self.budget.token_budget - self.tokens_generated)
+        """A new call's ``max_tokens``: what it asked for, cut to what the budget has left once the
+        running calls have what they may still generate."""
+        left = self.budget.token_budget - self.tokens_generated - self.tokens_reserved
+        cap = min(self.budget.max_tokens_per_call, left)
         return max(1, min(requested or cap, cap))
 
     # -- retries ------------------------------------------------------------------------------
 
     def existing(self, key: str, retry: bool) -> Reply | None:
-        """The reply an identical request should get again, if this request is a retry."""
+        """The reply an identical request should get again, if this request is a retry: one that
+        says so, or one whose earlier reply finished but never reached the client. Identical
+        requests sent at once without the retry mark are separate samples (best-of-n)."""
         reply = self.replies.get(key)
         if reply is None:
             return None
-        if not reply.done.done() or not reply.delivered or retry:
+        if retry or (reply.done.done() and not reply.done.exception() and not reply.delivered):
             return reply
-        return None  # the same request again, deliberately: a new sample
+        return None
 
     def remember(self, reply: Reply, keep: int = 64) -> None:
         self.replies[reply.key] = reply
@@ -158,10 +166,11 @@ class Session:
             execution_id=self.execution_id, call_index=len(self.records), call_id=r.request_id, role=reply.role,
             prompt_ids=reply.prompt_ids, completion_ids=r.completion_ids, logprobs=r.logprobs, versions=r.versions,
             finish_reason=r.finish_reason, engine=r.engine, t_start=reply.t_start, t_end=reply.t_end))
+        ids = frozenset(call["id"] for call in reply.tool_calls)
         for call in reply.tool_calls:
-            self.turns[call["id"]] = reply.turn_ids
+            self.turns[call["id"]] = (ids, reply.turn_ids)
         if not reply.tool_calls:
-            self.turns[("text", reply.content)] = reply.turn_ids
+            self.turns[("text", reply.content)] = (frozenset(), reply.turn_ids)
 
     def restored_turns(self, messages: list[dict]) -> dict[int, np.ndarray]:
         """Assistant messages of ``messages`` that are turns this session served, by index."""
@@ -171,11 +180,13 @@ class Session:
                 continue
             calls = m.get("tool_calls") or []
             if calls:
-                turns = [self.turns.get(c["id"]) for c in calls]
-                if turns[0] is not None and all(t is turns[0] for t in turns):
-                    out[i] = turns[0]
+                # Only a message that holds exactly the calls of one served turn is that turn; a
+                # turn's parallel calls split over messages are rendered as sent.
+                hit = self.turns.get(calls[0]["id"])
+                if hit is not None and hit[0] == frozenset(c["id"] for c in calls):
+                    out[i] = hit[1]
             elif ("text", m["content"]) in self.turns:
-                out[i] = self.turns[("text", m["content"])]
+                out[i] = self.turns[("text", m["content"])][1]
         return out
 
 
