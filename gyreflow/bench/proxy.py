@@ -164,19 +164,20 @@ def chat_body(model: str, messages: list[dict], i: int) -> dict:
             "temperature": 1.0, "seed": i}
 
 
-def engine_call(card, body: dict, max_tokens_per_call: int) -> tuple[np.ndarray, SamplingParams]:
-    """The prompt ids and sampling parameters the proxy gives the engine for ``body``, computed
-    as :func:`gyreflow.proxy.calls.serve_call` computes them (no restored turns: the bench's
-    tool-call ids are not the session's)."""
+def engine_call(card, body: dict, max_tokens_per_call: int, execution_id: str, index: int
+                ) -> tuple[np.ndarray, SamplingParams]:
+    """The prompt ids and sampling parameters the proxy gives the engine for ``body`` as call
+    ``index`` of session ``execution_id`` (seed 0), computed as
+    :func:`gyreflow.proxy.calls.serve_call` computes them (no restored turns: the bench's tool-call
+    ids are not the session's)."""
+    from gyreflow.proxy.calls import sampling_params
     from gyreflow.proxy.requests import parse_chat
 
     spec = parse_chat(body)
     forced = card.parser.forced_prefix(spec.tool_choice) if spec.tools else ""
     prompt = card.renderer.render(spec.messages, spec.tools, {}, forced)
     max_tokens = min(spec.max_tokens or max_tokens_per_call, max_tokens_per_call)
-    params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=max_tokens, stop=spec.stop,
-                            stop_token_ids=(card.renderer.eos_id,), seed=spec.seed)
-    return prompt, params
+    return prompt, sampling_params(spec, max_tokens, card.renderer.eos_id, 0, execution_id, index)
 
 
 # -- figures -----------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ def run_bench(calls: int = 2000, warmup: int = 200, prompt_messages: int = 8, co
     messages = agent_messages(prompt_messages)
     budget = Budget(max_calls=10**6, token_budget=10**9, time_limit_s=1e6, max_inflight=max(8, concurrency))
     first = chat_body(card.name, messages, 0)
-    prompt, params = engine_call(card, first, budget.max_tokens_per_call)
+    prompt, params = engine_call(card, first, budget.max_tokens_per_call, "bench", 0)
     rounds = warmup + calls
     seconds: dict[str, list[float]] = {"direct": [], "proxied": [], "floor": []}
     result: dict = {"client": client, "calls": calls, "warmup": warmup, "prompt_messages": len(messages),
@@ -453,7 +454,8 @@ def run_bench(calls: int = 2000, warmup: int = 200, prompt_messages: int = 8, co
                 took = paths[name](i, body)
                 if i > warmup:
                     seconds[name].append(took)
-        last_prompt, last_params = engine_call(card, chat_body(card.name, messages, rounds), budget.max_tokens_per_call)
+        last_prompt, last_params = engine_call(card, chat_body(card.name, messages, rounds), budget.max_tokens_per_call,
+                                               "bench", rounds)
         served = engine.last_of[session.execution_id]
         if not np.array_equal(served.prompt_ids, last_prompt) or served.params != last_params:
             raise AssertionError("the proxy's engine call differs from the request's rendering")

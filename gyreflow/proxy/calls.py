@@ -113,6 +113,15 @@ async def prepare_call(session: Session, spec: CallSpec, card: ModelCard) -> Pre
     return Prepared(ids, forced, history)
 
 
+def sampling_params(spec: CallSpec, max_tokens: int, eos_id: int, seed: int, execution_id: str,
+                    index: int) -> SamplingParams:
+    """How call ``index`` of an execution samples. A seed the client pins (harness configs often
+    do) is mixed with the execution's, so the executions of a group still sample differently."""
+    where = execution_id if spec.seed is None else f"{execution_id}#{spec.seed}"
+    return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=max_tokens, stop=spec.stop,
+                          stop_token_ids=(eos_id,), seed=call_seed(seed, where, index))
+
+
 async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard, *, retry: bool = False,
                      role: str | None = None, prepared: Prepared | None = None) -> Reply:
     """The reply to one request: a retry's earlier reply, or a new engine call.
@@ -129,12 +138,8 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
         prepared = await prepare_call(session, spec, card)
     index = session.calls_started
     eid = session.execution_id
-    # A seed the client pins (harness configs often do) is mixed with the execution's, so the
-    # executions of a group still sample differently.
-    seed = call_seed(session.seed, eid if spec.seed is None else f"{eid}#{spec.seed}", index)
     max_tokens = session.max_tokens(spec.max_tokens)
-    params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=max_tokens,
-                            stop=spec.stop, stop_token_ids=(card.renderer.eos_id,), seed=seed)
+    params = sampling_params(spec, max_tokens, card.renderer.eos_id, session.seed, eid, index)
     reply = Reply(key, asyncio.get_running_loop().create_future(), call_index=index, role=role or session.role,
                   prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time())
     reply.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # a lone failure is not "never retrieved"
