@@ -1,7 +1,6 @@
 """The command line on bad input and on Ctrl-C: clear errors, non-zero exits, nothing half-written."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

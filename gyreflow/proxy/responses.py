@@ -7,7 +7,6 @@ order the official SDK's stream parsers expect.
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Iterator
 
 from gyreflow.proxy.calls import ModelCard
@@ -188,10 +187,6 @@ def response_events(reply: Reply, spec: CallSpec, card: ModelCard) -> Iterator[d
 def sse(data: dict, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
     return (head + "data: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode("utf-8")
-
-
-def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
 
 
 BUILDERS = {
