@@ -632,3 +632,13 @@ def test_previous_response_keeps_only_current_instructions(proxy, engine, tok):
     system = tok.convert_tokens_to_ids("<|system|>")
     assert ex.records[-1].prompt_ids.tolist().count(system) == 1
     assert ex.records[-1].prompt_ids.tolist()[0] == system
+
+
+def test_logprob_bytes_are_the_tokens_own(proxy, engine, tok):
+    """A token holding half of a UTF-8 character reports its own byte, not U+FFFD's."""
+    ex = Exec(proxy, engine)
+    r = ex.client().chat.completions.create(model=MODEL, messages=user(), max_tokens=24, logprobs=True)
+    got = [b for t in r.choices[0].logprobs.content for b in t.bytes]
+    rec = ex.records[0].completion_ids.tolist()
+    want = [b for t in rec for b in (bytes([t]) if t < 256 else tok.convert_ids_to_tokens(t).encode())]
+    assert got == want

@@ -6,6 +6,7 @@ Token ids 0..255 are the UTF-8 bytes themselves, so any text round-trips exactly
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models
@@ -56,6 +57,7 @@ CHAT_TEMPLATE = (
 )
 
 
+@cache
 def _bytes_to_unicode() -> dict[int, str]:
     # The ByteLevel pre-tokenizer's printable alias of every byte (GPT-2's table).
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -67,6 +69,12 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@cache
+def byte_aliases() -> dict[str, int]:
+    """Alias character -> byte, as byte-level BPE vocabularies (GPT-2's table) spell bytes."""
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -71,6 +71,19 @@ class ChatRenderer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token, also when it holds part of a character (byte-level BPE
+        vocabularies spell bytes with printable aliases; other tokens are decoded)."""
+        from gyreflow.model.tokenizer import byte_aliases
+
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if piece in self.tokenizer.all_special_tokens:
+            return piece.encode("utf-8")
+        table = byte_aliases()
+        if piece and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.tokenizer.decode([int(token_id)]).encode("utf-8")
+
     def render(self, messages: list[dict], tools: list[dict], restored: dict[int, np.ndarray],
                forced_prefix: str = "") -> np.ndarray:
         """Prompt ids for ``messages`` followed by the generation prompt and ``forced_prefix``.

@@ -29,8 +29,9 @@ def _usage(reply: Reply) -> dict:
 def _token_logprobs(reply: Reply, card: ModelCard) -> list[dict]:
     out = []
     for tok, lp in zip(reply.result.completion_ids, reply.result.logprobs):
-        text = card.renderer.tokenizer.decode([int(tok)], skip_special_tokens=False)
-        out.append({"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+        raw = card.renderer.token_bytes(int(tok))
+        out.append({"token": raw.decode("utf-8", errors="replace"), "logprob": float(lp), "bytes": list(raw),
+                    "top_logprobs": []})
     return out
 
 
