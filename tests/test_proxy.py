@@ -531,7 +531,7 @@ def test_prompt_longer_than_the_engine_holds(proxy, engine):
         with pytest.raises(openai.BadRequestError) as err:
             c.chat.completions.create(model=MODEL, messages=user("x" * 5000), max_tokens=4)
         assert err.value.code == "context_length_exceeded"
-    assert not ex.records and ex.session.inflight == 0
+    assert not ex.records and ex.session.inflight == 0 and ex.session.calls_charged == 0
     assert c.chat.completions.create(model=MODEL, messages=user(), max_tokens=4).choices and len(ex.records) == 1
 
 

@@ -108,7 +108,7 @@ def _end_reason(returncode: int | None, timed_out: bool, session: Session) -> st
     if timed_out:
         return "time_limit"
     if session.refused.get("budget"):
-        return "max_calls" if session.calls_started >= session.budget.max_calls else (
+        return "max_calls" if session.calls_charged >= session.budget.max_calls else (
             "token_budget" if session.tokens_generated >= session.budget.token_budget else "time_limit")
     return "done" if returncode == 0 else "crash"
 

@@ -144,6 +144,7 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
                   prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time())
     reply.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # a lone failure is not "never retrieved"
     session.calls_started += 1
+    session.calls_charged += 1
     session.inflight += 1
     session.tokens_reserved += max_tokens
     session.remember(reply)
@@ -153,6 +154,8 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
         # Whatever happened, a retry waiting on this call must hear of it, and may try again.
         session.replies.pop(key, None)
         out = _engine_error(err)
+        if out.status == 400:
+            session.calls_charged -= 1  # the engine refused it outright: nothing was generated
         reply.done.set_exception(out)
         if isinstance(err, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
             raise

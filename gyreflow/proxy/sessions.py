@@ -92,6 +92,9 @@ class Session:
         self.closed = False
         self.records: list[CallRecord] = []
         self.calls_started = 0
+        """Engine calls made: the next call's index (its request id and seed)."""
+        self.calls_charged = 0
+        """Calls the budget counts: those started, less those the engine refused outright."""
         self.tokens_generated = 0
         self.tokens_reserved = 0
         """``max_tokens`` of the calls running: what they may still generate."""
@@ -113,7 +116,7 @@ class Session:
         if self.closed:
             raise ApiError(401, "unknown or finished session", type="authentication_error", code="invalid_api_key",
                            retry=False)
-        if self.calls_started >= b.max_calls:
+        if self.calls_charged >= b.max_calls:
             reason = f"the execution's {b.max_calls} model calls are spent"
         elif self.tokens_generated + self.tokens_reserved >= b.token_budget:
             reason = f"the execution's budget of {b.token_budget} generated tokens is spent"
