@@ -642,3 +642,19 @@ def test_logprob_bytes_are_the_tokens_own(proxy, engine, tok):
     rec = ex.records[0].completion_ids.tolist()
     want = [b for t in rec for b in (bytes([t]) if t < 256 else tok.convert_ids_to_tokens(t).encode())]
     assert got == want
+
+
+def test_big_prompts_render_off_the_event_loop(tok):
+    """A conversation past BIG_PROMPT_CHARS renders on a thread with a renderer of its own, to the
+    same ids."""
+    from gyreflow.proxy.calls import BIG_PROMPT_CHARS, prepare_call
+    from gyreflow.proxy.requests import parse_chat
+    from gyreflow.proxy.sessions import SessionRegistry
+
+    card = model_card(tok, MODEL)
+    session = SessionRegistry().open("big", generate=None)
+    messages = user("é" * (BIG_PROMPT_CHARS // 2) + "x" * (BIG_PROMPT_CHARS // 2 + 1))
+
+    prepared = asyncio.run(prepare_call(session, parse_chat({"model": MODEL, "messages": messages}), card))
+    assert card._big is not None and card._big is not card.renderer
+    assert prepared.prompt.tolist() == rendered(tok, messages)
