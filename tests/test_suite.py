@@ -140,3 +140,25 @@ def test_task_directory_names_must_fit_execution_ids(tmp_path):
     (task / "task.json").write_text('{"prompt": "p", "tests": ["true"]}')
     with pytest.raises(ValueError, match="must match"):
         load_suite(tmp_path)
+
+
+def test_protected_checks_are_restored_before_grading(tmp_path):
+    """An agent that rewrites the check its test runs does not pass by it."""
+    tasks = {t.task_id: t for t in load_suite(EXAMPLES)}
+    greet = tasks["greet"]
+    assert greet.protected == ("check_*.py",)
+    workdir = prepare_workspace(greet, tmp_path)
+    before = grade_workspace(greet, workdir).score
+    for check in workdir.glob("check_*.py"):
+        check.write_text("raise SystemExit(0)\n")
+    assert grade_workspace(greet, workdir).score == before < 1.0
+    apply_solution(greet, workdir)
+    assert grade_workspace(greet, workdir).passed
+
+
+def test_protected_patterns_must_stay_inside(tmp_path):
+    task = tmp_path / "t"
+    (task / "workspace").mkdir(parents=True)
+    (task / "task.json").write_text('{"prompt": "p", "tests": ["true"], "protected": ["../x"]}')
+    with pytest.raises(ValueError, match="protected"):
+        load_suite(tmp_path)

@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from gyreflow.agents.process import ProcessLimits, agent_environment, run_process
 
 SPLITS = ("train", "heldout")
-FIELDS = ("prompt", "tests", "split", "time_limit_s", "test_timeout_s", "setup", "solution")
+FIELDS = ("prompt", "tests", "split", "time_limit_s", "test_timeout_s", "setup", "solution", "protected")
 OUTPUT_CHARS = 2000
 """How much of a test's output a grade keeps."""
 
@@ -54,6 +54,9 @@ class SuiteTask:
     setup: tuple[str, ...] = ()
     solution: tuple[tuple[str, str], ...] = ()
     """(path, content) of each file a perfect agent writes."""
+    protected: tuple[str, ...] = ()
+    """Glob patterns (relative to the workspace) of files put back as given before grading, so an
+    agent cannot pass by rewriting the checks its tests run."""
 
     @property
     def kind(self) -> str:
@@ -71,6 +74,7 @@ class SuiteTask:
             "test_timeout_s": self.test_timeout_s,
             "setup": list(self.setup),
             "solution": [{"path": p, "content": c} for p, c in self.solution],
+            "protected": list(self.protected),
         }
 
     @classmethod
@@ -85,6 +89,7 @@ class SuiteTask:
             test_timeout_s=data["test_timeout_s"],
             setup=tuple(data["setup"]),
             solution=tuple((f["path"], f["content"]) for f in data["solution"]),
+            protected=tuple(data.get("protected", ())),
         )
 
 
@@ -154,6 +159,7 @@ def _load_task(task_dir: Path) -> SuiteTask:
         time_limit_s = _seconds(time_limit_s, "time_limit_s", bad)
     test_timeout_s = _seconds(spec.get("test_timeout_s", 60.0), "test_timeout_s", bad)
     solution = _solution(spec.get("solution", []), bad)
+    protected = _patterns(spec.get("protected", []), bad)
     workspace = task_dir / "workspace"
     if not workspace.is_dir():
         raise ValueError(f"{workspace}: missing (every task directory needs a workspace/ directory)")
@@ -167,6 +173,7 @@ def _load_task(task_dir: Path) -> SuiteTask:
         test_timeout_s=test_timeout_s,
         setup=setup,
         solution=solution,
+        protected=protected,
     )
 
 
@@ -202,6 +209,35 @@ def _solution(value, bad) -> tuple[tuple[str, str], ...]:
             raise bad("solution", f"item {i}: path {path!r} {problem}")
         files.append((path, content))
     return tuple(files)
+
+
+def _patterns(value, bad) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise bad("protected", "must be a list of glob patterns relative to the workspace")
+    for pattern in value:
+        problem = _escapes(pattern)
+        if problem:
+            raise bad("protected", f"pattern {pattern!r} {problem}")
+    return tuple(value)
+
+
+def restore_protected(task: SuiteTask, workdir: str | Path) -> list[str]:
+    """Put the task's protected files back as the workspace gives them; the paths restored."""
+    source, workdir = Path(task.workspace), Path(workdir)
+    restored = []
+    for pattern in task.protected:
+        for original in sorted(source.glob(pattern)):
+            if original.is_file():
+                rel = original.relative_to(source)
+                target = workdir / rel
+                if target.is_symlink():  # a link could point the copy anywhere
+                    target.unlink()
+                elif target.is_dir():
+                    shutil.rmtree(target)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(original, target)
+                restored.append(str(rel))
+    return restored
 
 
 def _escapes(path: str) -> str:
@@ -247,6 +283,7 @@ def grade_workspace(task: SuiteTask, workdir: str | Path, env: dict[str, str] | 
     whatever a test starts is contained like an agent's programs.
     """
     env = agent_environment({}) if env is None else env
+    restore_protected(task, workdir)
     limits = ProcessLimits(time_limit_s=task.test_timeout_s)
     results = []
     for command in task.tests:
