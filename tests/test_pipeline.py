@@ -112,3 +112,18 @@ def test_suite_tasks_train_the_unmodified_example_agent(tmp_path, tiny_overrides
         execs = [reader.load_execution(entry["step"], e) for e in reader.executions(entry["step"])
                  if e.startswith("execution-")]
         assert (entry["train"]["trained_tokens"] > 0) == any(ex.calls for ex in execs)
+
+
+def test_a_run_needing_longer_contexts_than_the_engines_hold_is_refused(cluster, tiny_overrides):
+    """Engines keep the options of the first run on a cluster: a later run whose prompts they
+    cannot hold is refused up front, with what to do."""
+    from gyreflow.cluster.local import ClusterError, install
+
+    grpo = find_pipeline("grpo")
+    cfg = load_config(None, tiny_overrides)
+    with Client(cluster) as client:
+        install(client, 1, grpo.engine_options(cfg), "async")
+        install(client, 1, grpo.engine_options(cfg), "async")  # the same needs: fine
+        longer = load_config(None, tiny_overrides + ["agent.max_context_tokens=4000"])
+        with pytest.raises(ClusterError, match="fresh cluster"):
+            install(client, 1, grpo.engine_options(longer), "async")

@@ -12,6 +12,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 from gyreflow.cluster.cell import CellService
 from gyreflow.cluster.plugin import PoolsPlugin
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER, workers_by_pool
+from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.engine.service import EngineService
 from gyreflow.train.service import TrainerService
 
@@ -95,6 +96,24 @@ def _registered(dask_scheduler=None) -> list[str]:
     return [*dask_scheduler.plugins, *dask_scheduler.worker_plugins]
 
 
+def _check_engine_context(client: Client, engine_options: dict) -> None:
+    """Engines stay as the first pipeline on a cluster configured them: refuse a run whose prompts
+    they could not hold, rather than let its calls fail one by one."""
+    want = engine_options.get("max_seq_len")
+    if want is None:
+        return
+
+    def held(dask_worker) -> int | None:
+        plugin = dask_worker.plugins.get(ENGINE_PLUGIN)
+        return None if plugin is None else plugin.engine_options.get("max_seq_len")
+
+    have = {addr: n for addr, n in client.run(held).items() if n is not None}
+    short = {addr: n for addr, n in have.items() if n < want}
+    if short:
+        raise ClusterError(f"the engines on this cluster hold {min(short.values())} tokens of context, this run needs "
+                           f"{want}: run it on a fresh cluster")
+
+
 def install(client: Client, torch_threads: int | None, engine_options: dict, mode: str = "async",
             placement_options: dict | None = None, engine_factory=None) -> None:
     """Register gyreflow's scheduler and worker plugins, unless the cluster already has them (a
@@ -105,6 +124,8 @@ def install(client: Client, torch_threads: int | None, engine_options: dict, mod
         EngineService(engine_options, torch_threads, factory=engine_factory)
     from gyreflow.proxy.plugin import ProxyPlugin
 
+    if engine.name in present:
+        _check_engine_context(client, engine_options)
     for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options),
                    ProxyPlugin()):
         if plugin.name not in present:
