@@ -135,9 +135,7 @@ def test_apply_solution_writes_nested_files(tmp_path):
 
 
 def test_task_directory_names_must_fit_execution_ids(tmp_path):
-    task = tmp_path / "add two numbers"
-    (task / "workspace").mkdir(parents=True)
-    (task / "task.json").write_text('{"prompt": "p", "tests": ["true"]}')
+    make_task(tmp_path, "add two numbers", {"prompt": "p", "tests": ["true"]}, {})
     with pytest.raises(ValueError, match="must match"):
         load_suite(tmp_path)
 
@@ -157,8 +155,6 @@ def test_protected_checks_are_restored_before_grading(tmp_path):
 
 
 def test_protected_patterns_must_stay_inside(tmp_path):
-    task = tmp_path / "t"
-    (task / "workspace").mkdir(parents=True)
-    (task / "task.json").write_text('{"prompt": "p", "tests": ["true"], "protected": ["../x"]}')
+    make_task(tmp_path, "t", {"prompt": "p", "tests": ["true"], "protected": ["../x"]}, {})
     with pytest.raises(ValueError, match="protected"):
         load_suite(tmp_path)

@@ -315,13 +315,13 @@ class FloorServer:
     read in chunks, as the proxy reads it) gets ``reply``, a fixed JSON."""
 
     def __init__(self, reply: bytes) -> None:
-        self.reply = reply
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="gyreflow-bench-floor", daemon=True)
-        self._thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+        from gyreflow.proxy.local import LoopThread
 
-    async def _start(self) -> int:
+        self.reply = reply
+        self.thread = LoopThread("gyreflow-bench-floor")
+        self.port = self.thread.call(self._start)
+
+    def _start(self) -> int:
         from gyreflow.proxy.server import LOOPBACK
 
         sockets = netutil.bind_sockets(0, LOOPBACK)
@@ -339,10 +339,8 @@ class FloorServer:
             self._server.stop()
             await self._server.close_all_connections()
 
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        self.loop.close()
+        self.thread.call(stop)
+        self.thread.close()
 
     def __enter__(self) -> "FloorServer":
         return self

@@ -24,34 +24,47 @@ class EngineBackend:
         return await asyncio.wrap_future(self.engine.submit(request))
 
 
+class LoopThread:
+    """An asyncio event loop on a daemon thread, for servers that serve synchronous callers."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn, *args, **kwargs):
+        """Run ``fn`` (a function or a coroutine function) on the loop; its result, from any other
+        thread."""
+        async def run():
+            out = fn(*args, **kwargs)
+            return await out if asyncio.iscoroutine(out) else out
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
+
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+
+
 class ProxyThread:
     """A :class:`ProxyServer` on a daemon thread's event loop; its methods are thread-safe."""
 
     def __init__(self, card: ModelCard, *, host: str = LOOPBACK, port: int = 0, max_body_bytes: int = 16 << 20,
                  extra_handlers: list | None = None) -> None:
         self.registry = SessionRegistry()
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="gyreflow-proxy", daemon=True)
-        self._thread.start()
+        self.thread = LoopThread("gyreflow-proxy")
         self.server = ProxyServer(self.registry, card, host=host, port=port, max_body_bytes=max_body_bytes,
                                   extra_handlers=extra_handlers)
         try:
-            self._call(self._start)
+            self.thread.call(self.server.start)
         except BaseException:  # e.g. the port is taken: leave no thread behind
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-            self.loop.close()
+            self.thread.close()
             raise
-
-    async def _start(self) -> None:
-        self.server.start()
-
-    def _call(self, fn, *args, **kwargs):
-        async def run():
-            out = fn(*args, **kwargs)
-            return await out if asyncio.iscoroutine(out) else out
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
 
     @property
     def url(self) -> str:
@@ -59,20 +72,18 @@ class ProxyThread:
 
     def open(self, execution_id: str, generate: Generate, *, budget: Budget | None = None, seed: int = 0,
              role: str = "policy") -> Session:
-        return self._call(self.registry.open, execution_id, generate, budget=budget, seed=seed, role=role)
+        return self.thread.call(self.registry.open, execution_id, generate, budget=budget, seed=seed, role=role)
 
     def close(self, execution_id: str) -> Session:
-        return self._call(self.registry.close, execution_id)
+        return self.thread.call(self.registry.close, execution_id)
 
     def environment(self, session: Session) -> dict[str, str]:
         return self.server.environment(session)
 
     def stop(self) -> None:
-        if not self.loop.is_closed():
-            self._call(self.server.stop)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-            self.loop.close()
+        if not self.thread.loop.is_closed():
+            self.thread.call(self.server.stop)
+            self.thread.close()
 
     def __enter__(self) -> "ProxyThread":
         return self

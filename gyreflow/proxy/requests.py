@@ -8,6 +8,7 @@ lenient on the rest: real clients send fields such as ``store``, ``metadata``, `
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,8 +149,6 @@ def content_text(content: Any, where: str) -> str:
 
 
 def _arguments(value: Any, where: str) -> str:
-    import json
-
     if isinstance(value, str):
         return value
     if isinstance(value, dict):

@@ -109,7 +109,7 @@ class Serve:
         with self._lock:
             eid = f"serve-{self._next:04d}"
             self._next += 1
-        if threading.current_thread() is self.proxy._thread:
+        if self.proxy.thread.on_loop():
             return self.proxy.registry.open(eid, self.backend, budget=self.budget, seed=self.seed)
         return self.proxy.open(eid, self.backend, budget=self.budget, seed=self.seed)
 
