@@ -238,30 +238,38 @@ def _split(text: str) -> tuple[int, int]:
 
 @bench.command("placement")
 @click.option("--workload", "workload_name", default="xlong-tail", show_default=True,
-              help="Shipped workload name (xlong-tail, flat) or a workload JSON file.")
-@click.option("--modes", default="colocated,async,elastic", show_default=True, help="Comma-separated modes to run.")
-@click.option("--split", "splits", multiple=True, metavar="R:T", help="async rollout:trainer split to try (repeatable).")
+              help="Shipped workload name (xlong-tail, flat, grow, join, onpolicy) or a workload JSON file.")
+@click.option("--modes", default="colocated,async,lend,elastic", show_default=True,
+              help="Comma-separated arms: colocated, async (= async_user and async_oracle), async_user, "
+                   "async_oracle, lend, elastic.")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+              help="Rounds of every arm, interleaved.")
+@click.option("--split", "splits", multiple=True, metavar="R:T", help="async split the oracle tries (repeatable).")
 @click.option("--steps", type=int, help="Override the workload's number of steps.")
 @click.option("--time-scale", type=float, help="Override emulated seconds per wall second.")
-@click.option("--consolidate-batch", type=int, default=None, help="elastic: live executions kept per rollout cell.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
-def bench_placement(workload_name, modes, splits, steps, time_scale, consolidate_batch, json_path) -> None:
-    """colocated vs async vs elastic on one workload, with the emulated cost model (see README)."""
+def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, json_path) -> None:
+    """Every placement mode on one workload, with the emulated cost model (see README)."""
     import dataclasses
     import json
 
-    from gyreflow.bench.placement import MODES, run_bench
-    from gyreflow.bench.workload import WorkloadError, load_workload
+    from gyreflow.bench.placement import ARMS, run_bench
+    from gyreflow.bench.report import format_placement
+    from gyreflow.bench.workload import WorkloadError
+    from gyreflow.bench.workload_file import load_workload
 
     _quiet()
     try:
         workload = load_workload(workload_name)
     except WorkloadError as err:
         raise click.UsageError(str(err)) from None
-    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-    unknown = [m for m in chosen if m not in MODES]
+    chosen = []
+    for m in (m.strip() for m in modes.split(",") if m.strip()):
+        chosen += ["async_user", "async_oracle"] if m == "async" else [m]
+    unknown = [m for m in chosen if m not in ARMS]
     if unknown or not chosen:
-        raise click.UsageError(f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none)'}; allowed: {', '.join(MODES)}")
+        raise click.UsageError(f"unknown mode(s) {', '.join(map(repr, unknown)) or '(none)'}; allowed: async, "
+                               f"{', '.join(ARMS)}")
     parsed = [_split(s) for s in splits]
     for r, t in parsed:
         if r < 1 or t < 1 or r + t != workload.cells:
@@ -270,19 +278,45 @@ def bench_placement(workload_name, modes, splits, steps, time_scale, consolidate
     if steps is not None:
         if steps < 1:
             raise click.UsageError("--steps must be >= 1")
+        if any(c.from_step >= steps for c in workload.schedule):
+            workload = dataclasses.replace(workload, schedule=tuple(c for c in workload.schedule if c.from_step < steps))
         workload = dataclasses.replace(workload, steps=steps)
     if time_scale is not None:
         if time_scale <= 0:
             raise click.UsageError("--time-scale must be > 0")
         workload = dataclasses.replace(workload, time_scale=time_scale)
-    options = {"consolidate_batch": consolidate_batch} if consolidate_batch else None
     console.print(f"workload {workload.name}: {workload.cells} cells, {workload.steps} steps, "
                   f"{workload.executions_per_step} executions per step, time scale x{workload.time_scale:g} (emulated)")
-    out = run_bench(workload, parsed or None, chosen, options, log=console.print)
+    out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print)
     console.print(format_placement(out))
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"figures written to {json_path}")
+
+
+@bench.command("placement-tables")
+@click.argument("json_paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--update", "readme", type=click.Path(exists=True, dir_okay=False),
+              help="Write the tables into this file, between <!-- placement-tables:start/end --> markers.")
+def bench_placement_tables(json_paths, readme) -> None:
+    """The README's placement tables, from `gyreflow bench placement --json` files."""
+    import json
+
+    from gyreflow.bench.report import markdown_tables, update_readme
+
+    try:
+        outs = [json.loads(Path(p).read_text()) for p in json_paths]
+        text = markdown_tables(outs)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise click.UsageError(f"not a placement benchmark JSON: {type(err).__name__}: {err}") from None
+    if readme:
+        try:
+            update_readme(Path(readme), text)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
+        console.print(f"tables written to {readme}")
+    else:
+        console.print(text)
 
 
 @bench.command("proxy")
@@ -316,7 +350,7 @@ def bench_proxy(calls, warmup, messages, concurrency, client_kind, json_path) ->
               help="Parent directory of the three runs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
 def bench_modes(config_path, overrides, cells, out, json_path) -> None:
-    """The grpo pipeline with real compute (torch engine) in each placement mode, side by side."""
+    """The grpo pipeline with real compute (torch engine) in every placement mode, side by side."""
     import json
     import shutil
 
@@ -328,21 +362,22 @@ def bench_modes(config_path, overrides, cells, out, json_path) -> None:
     _quiet()
     if cells < 2:
         raise click.UsageError("--cells must be >= 2 (one rollout and one trainer cell at least)")
+    from gyreflow.cluster.modes import PLACEMENTS
+
     pipeline = find_pipeline("grpo")
     figures = {}
-    for mode in ("colocated", "async", "elastic"):
-        trainer = 0 if mode == "colocated" else 1
+    for mode in PLACEMENTS.names():
+        rollout, trainer = PLACEMENTS.get(mode).start_split(cells - 1, 1)
         try:
             cfg = load_config(config_path, [*overrides, f"cluster.placement={mode}",
-                                            f"cluster.rollout_workers={cells - trainer}", f"cluster.trainer_workers={trainer}",
-                                            *(["rl.staleness=0"] if mode == "colocated" else [])])
+                                            f"cluster.rollout_workers={rollout}", f"cluster.trainer_workers={trainer}"])
         except ConfigError as err:
             raise click.UsageError(f"invalid config: {err}") from None
         run_dir = Path(out, mode)
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-        console.print(f"{mode}: {cells - trainer} rollout + {trainer} trainer cells ...")
-        spec = PoolSpec(rollout=cells - trainer, trainer=trainer, execution_slots=cfg.cluster.execution_slots)
+        console.print(f"{mode}: {rollout} rollout + {trainer} trainer cells ...")
+        spec = PoolSpec(rollout=rollout, trainer=trainer, execution_slots=cfg.cluster.execution_slots)
         with local_cluster(spec) as cluster, Client(cluster) as client:
             report = pipeline.run(client, cfg, run_dir, log=lambda *_: None, cache_dir=Path("storage/sft-cache"))
         placement = report.get("placement", {})
@@ -392,24 +427,6 @@ def bench_move_latency(rounds, json_path) -> None:
                   f"{out['submit_to_start_median_s'] * 1000:.1f} ms")
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
-
-
-def format_placement(out: dict) -> str:
-    lines = [f"\n{'mode':<10} {'split':>6} {'wall s':>8} {'emulated s':>11} {'util':>6} {'moves':>6} {'migr':>6} "
-             f"{'move->task ms':>14}"]
-    for name, m in out["modes"].items():
-        lat = m["move_to_trainer_task_s"]["median"]
-        lines.append(f"{name:<10} {m['split']:>6} {m['wall_s']:8.1f} {m['emulated_s']:11,.0f} {m['utilization']:6.2f} "
-                     f"{m['moves']:6d} {m['migrations']:6d} {'-' if lat is None else f'{lat * 1000:.1f}':>14}")
-    if "async" in out["modes"] and "splits" in out["modes"]["async"]:
-        tried = ", ".join(f"{k}: {v:,.0f} s" for k, v in out["modes"]["async"]["splits"].items())
-        lines.append(f"async splits tried (emulated): {tried}")
-    lb = out["lower_bound"]
-    lines.append(f"lower bound: {out['lower_bound_s']:,.0f} s emulated (critical path {lb['critical_path_s']:,.0f} s, "
-                 f"total work / cells {lb['total_work_s']:,.0f} s)")
-    for k, v in out["ratios"].items():
-        lines.append(f"{k}: {v:.2f}x")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

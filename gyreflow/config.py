@@ -86,14 +86,24 @@ class ClusterConfig:
     trainer_workers`` cells; a cluster named by ``--scheduler`` must have at least that many."""
 
     placement: str = "elastic"
-    """How cells are shared between rollout and training: ``colocated`` (all roll out, then all
-    train), ``async`` (a fixed split) or ``elastic`` (cells move at run time)."""
-    rollout_workers: int = 1
+    """How cells are shared between rollout and training (``gyreflow.cluster.modes``):
+    ``colocated`` (all roll out, then all train), ``async`` (a fixed split), ``lend`` (trainer cells
+    roll out while they have no training work) or ``elastic`` (cells move by predicted need)."""
+    rollout_workers: int = 2
     """Cells that start in the rollout pool (one engine each)."""
     trainer_workers: int = 1
     """Cells that start in the trainer pool (``colocated`` may start with 0)."""
     consolidate_batch: int = 32
     """``elastic``: live executions one rollout cell keeps when cells are taken for training."""
+    dwell_s: float = 2.0
+    """Seconds a cell keeps a new role at least (modes that move cells)."""
+    idle_s: float = 2.0
+    """Seconds a trainer cell without work waits before it may roll out (``elastic``, ``lend``)."""
+    drain_s: float = 1.0
+    """``elastic``: seconds of ready training a cell taken for training should have at least."""
+    stall_s: float = 300.0
+    """Seconds without progress after which an execution is reported as stalled (with what it
+    waits on)."""
     execution_slots: int = 128
     """Concurrent executions (threads of the execution worker)."""
     torch_threads: int = 1
@@ -123,8 +133,10 @@ class RunConfig:
 
 
 def placement_options(cfg: RunConfig) -> dict:
-    """Options of the configured placement policy (see :mod:`gyreflow.cluster.placement`)."""
-    return {"consolidate_batch": cfg.cluster.consolidate_batch} if cfg.cluster.placement == "elastic" else {}
+    """Options of the configured placement mode's policy that the ``cluster`` section sets."""
+    from gyreflow.cluster.modes import mode
+
+    return mode(cfg.cluster.placement).options_from(cfg.cluster)
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -165,14 +177,20 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"agent.top_p must be in (0, 1], got {cfg.agent.top_p}")
     _positive("agent.max_tokens_per_call", cfg.agent.max_tokens_per_call)
     _positive("agent.max_context_tokens", cfg.agent.max_context_tokens)
-    from gyreflow.cluster.placement import PLACEMENTS
+    from gyreflow.cluster.modes import PLACEMENTS
 
     if cfg.cluster.placement not in PLACEMENTS:
         raise ConfigError(f"cluster.placement: unknown mode {cfg.cluster.placement!r}; allowed: {', '.join(PLACEMENTS.names())}")
     if cfg.cluster.rollout_workers < 1:
         raise ConfigError(f"cluster.rollout_workers must be >= 1 (executions need an engine), got {cfg.cluster.rollout_workers}")
-    _positive("cluster.trainer_workers", cfg.cluster.trainer_workers, allow_zero=cfg.cluster.placement == "colocated")
+    _positive("cluster.trainer_workers", cfg.cluster.trainer_workers, allow_zero=True)
     _positive("cluster.consolidate_batch", cfg.cluster.consolidate_batch)
+    for name in ("dwell_s", "idle_s", "drain_s", "stall_s"):
+        _positive(f"cluster.{name}", getattr(cfg.cluster, name), allow_zero=name != "stall_s")
+    why = PLACEMENTS.get(cfg.cluster.placement).check(cfg.cluster.rollout_workers, cfg.cluster.trainer_workers,
+                                                        **placement_options(cfg))
+    if why:
+        raise ConfigError(f"cluster: {why}")
     _positive("cluster.execution_slots", cfg.cluster.execution_slots)
     _positive("cluster.torch_threads", cfg.cluster.torch_threads)
     _positive("cluster.engine_max_batch", cfg.cluster.engine_max_batch)

@@ -17,6 +17,14 @@ class Report:
         self.data.update(fields)
         self.write()
 
+    def placement_since(self, pools: dict) -> dict:
+        """What the pools did since the previous call (``pools``: a ``gyreflow_pools`` reply); the
+        first call only notes where they started."""
+        from gyreflow.cluster.status import between
+
+        before, self._pools = getattr(self, "_pools", None), pools
+        return between(before or pools, pools)
+
     def add_step(self, entry: dict) -> None:
         self.data["steps"].append(entry)
         self.write()

@@ -26,8 +26,11 @@ import numpy as np
 from distributed import Client, Future
 
 from gyreflow.agents.sources import TaskSource, task_source
+from gyreflow.cluster.control import Timing
 from gyreflow.cluster.local import cells_of, check_pools, install
+from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.cluster.status import describe
 from gyreflow.config import RunConfig, placement_options
 from gyreflow.report import Report
 from gyreflow.stages import (
@@ -60,8 +63,11 @@ class StepInFlight:
 
 def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Path | None = None) -> dict:
     run_dir = Path(run_dir)
-    check_pools(client, cfg.cluster.rollout_workers, cfg.cluster.trainer_workers, cfg.cluster.placement)
-    install(client, cfg.cluster.torch_threads, engine_options(cfg), cfg.cluster.placement, placement_options(cfg))
+    check_pools(client, cfg.cluster.rollout_workers, cfg.cluster.trainer_workers, cfg.cluster.placement,
+                placement_options(cfg))
+    install(client, cfg.cluster.torch_threads, engine_options(cfg), cfg.cluster.placement, placement_options(cfg),
+            timing=Timing(stall_s=cfg.cluster.stall_s))
+    staleness = placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness)
     archive = run_dir / "archive.zarr"
     create_archive(archive, run_meta={"config": cfg.to_json(), "pipeline": "grpo"})
     report = Report(run_dir, archive=str(archive), checkpoint=str(run_dir / "checkpoints" / "final"),
@@ -82,10 +88,11 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
     log(f"SFT policy: held-out pass rate {initial['pass_rate']:.3f} (mean reward {initial['mean_reward']:.3f})")
 
     # 2. RL steps, overlapped up to the staleness bound.
+    report.placement_since(client.sync(client.scheduler.gyreflow_pools))  # where each step's placement starts from
     in_flight: deque[StepInFlight] = deque()
     last_finish = time.time()
     for step in range(cfg.rl.steps):
-        while in_flight and in_flight[0].step <= step - cfg.rl.staleness - 1:
+        while in_flight and in_flight[0].step <= step - staleness - 1:
             last_finish = finish(client, in_flight.popleft(), cfg, heldout, source, archive, report, log, last_finish, t_run)
         in_flight.append(launch(client, step, cfg, source, archive, state, published))
         if step == 0:  # the SFT policy's held-out executions are archived with step 0
@@ -108,7 +115,7 @@ def engine_options(cfg: RunConfig) -> dict:
 def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
     """Cells whose engines get each weights version: those that may roll out in this mode."""
     pools = cells_of(client)
-    return pools[ROLLOUT] if cfg.cluster.placement == "async" else pools[ROLLOUT] + pools[TRAINER]
+    return pools[ROLLOUT] + (pools[TRAINER] if placement_mode(cfg.cluster.placement).trainers_roll_out else [])
 
 
 def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archive: Path, state: Future,
@@ -155,7 +162,8 @@ def evaluate(client: Client, heldout, source: TaskSource, cfg: RunConfig, versio
 
 
 def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log, last_finish, t_run) -> float:
-    """Publish the step's update, evaluate it, commit the step to the archive and the report."""
+    """Publish the step's update, evaluate it, commit the step to the archive and the report (with
+    what the pools did since the last step finished)."""
     trained = sf.futures.update.result()
     version = trained["version"]
     publish(client, STAGES, sf.futures.published, engine_cells(client, cfg), version)
@@ -182,8 +190,10 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
         "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "grad_norm", "clip_frac", "approx_kl", "train_s",
                                     "shares", "share_workers") if k in m},
     }
+    entry["placement"] = report.placement_since(client.sync(client.scheduler.gyreflow_pools))
     report.add_step(entry)
     log(f"step {sf.step + 1}/{cfg.rl.steps}: held-out pass {ev['pass_rate']:.3f}  train reward {entry['mean_reward']:.3f}  "
         f"tokens {tokens}  staleness {entry['max_staleness']}  trained on {len(m.get('share_workers', []))} cell(s)  "
         f"{entry['wall_s']:.1f}s")
+    log(f"  placement: {describe(entry['placement'])}")
     return now

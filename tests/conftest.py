@@ -26,6 +26,9 @@ TINY_OVERRIDES = [
     "agent.max_context_tokens=256",
     "cluster.execution_slots=8",
     "cluster.engine_max_batch=8",
+    # One rollout and one trainer cell, kept as they are; tests of placement set their own.
+    "cluster.placement=async",
+    "cluster.rollout_workers=1",
 ]
 
 

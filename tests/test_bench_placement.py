@@ -5,7 +5,9 @@ import json
 import subprocess
 import sys
 
-from gyreflow.bench.workload import load_workload
+import pytest
+
+from gyreflow.bench import load_workload
 
 TINY = {
     "name": "tiny",
@@ -26,30 +28,71 @@ TINY = {
 }
 
 
-def test_three_modes_side_by_side(tmp_path):
+def test_every_mode_side_by_side(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY))
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, "-m", "gyreflow.cli", "bench", "placement", "--workload", str(path),
-                        "--split", "2:1", "--json", str(out)], capture_output=True, text=True, timeout=240)
+                        "--json", str(out)], capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     fig = json.loads(out.read_text())
-    assert fig["workload"] == "tiny" and set(fig["modes"]) == {"colocated", "async", "elastic"}
+    assert fig["workload"] == "tiny" and set(fig["modes"]) == {"colocated", "async_user", "async_oracle", "lend", "elastic"}
+    assert fig["git"] and fig["workload_spec"]["name"] == "tiny" and fig["repeats"] == 1
     n = TINY["steps"] * TINY["tasks_per_step"] * TINY["samples_per_task"]
     tokens = sum(e.tokens for s in range(TINY["steps"]) for e in load_workload(str(path)).executions(s))
     for name, m in fig["modes"].items():
         for key in ("wall_s", "emulated_s", "utilization", "moves", "migrations"):
-            assert key in m, (name, key)
+            assert set(m[key]) == {"mean", "min", "max"}, (name, key)
         # Same executions in every mode, each run exactly once.
         assert m["executions"] == m["unique_executions"] == n, name
         assert m["tokens"] == tokens, name
-        assert 0 < m["utilization"] <= 1.0 + 1e-6, name
-        assert m["emulated_s"] == m["wall_s"] * TINY["time_scale"]
+        assert 0 < m["utilization"]["mean"] <= 1.0 + 1e-6, name
+    for run in fig["runs"]:
+        assert run["emulated_s"] == run["wall_s"] * TINY["time_scale"]
+        assert run["stalls"] == [] and run["moves_failed"] == 0
     assert fig["modes"]["colocated"]["max_staleness"] == 0
-    assert fig["modes"]["async"]["max_staleness"] <= 1 and fig["modes"]["elastic"]["max_staleness"] <= 1
-    assert fig["modes"]["async"]["moves"] == 0 and fig["modes"]["async"]["split"] == "2:1"
-    assert fig["modes"]["colocated"]["moves"] > 0  # every cell trains, then rolls out again
-    assert set(fig["ratios"]) == {"elastic_vs_async", "elastic_vs_colocated", "elastic_vs_lower_bound"}
-    assert fig["ratios"]["elastic_vs_lower_bound"] == fig["modes"]["elastic"]["emulated_s"] / fig["lower_bound_s"]
-    assert fig["lower_bound_s"] > 0
-    assert "elastic_vs_async" in p.stdout and "lower bound" in p.stdout
+    assert fig["modes"]["async_user"]["max_staleness"] <= 1 and fig["modes"]["elastic"]["max_staleness"] <= 1
+    assert fig["modes"]["async_user"]["moves"]["max"] == 0
+    assert fig["modes"]["colocated"]["moves"]["min"] > 0  # every cell trains, then rolls out again
+    # The user's split comes from colocated's first step, the oracle's from the splits tried.
+    first = fig["first_step"]
+    share = first["train_s"] / (first["rollout_s"] + first["train_s"])
+    trainer = min(2, max(1, round(3 * share)))
+    assert fig["modes"]["async_user"]["split"] == f"{3 - trainer}:{trainer}"
+    assert fig["oracle_split"] == "2:1" and set(fig["oracle_splits"]) == {"2:1"}  # 1 to cells // 2 trainer cells
+    assert set(fig["ratios"]) == {"elastic_vs_async_user", "elastic_vs_async_oracle", "elastic_vs_colocated",
+                                  "elastic_vs_lend", "elastic_vs_lower_bound", "elastic_vs_batched_bound"}
+    e = fig["modes"]["elastic"]["emulated_s"]["mean"]
+    assert fig["ratios"]["elastic_vs_lower_bound"]["mean"] == pytest.approx(e / fig["lower_bound_s"])
+    assert fig["ratios"]["elastic_vs_colocated"]["mean"] == pytest.approx(fig["modes"]["colocated"]["emulated_s"]["mean"] / e)
+    assert 0 < fig["lower_bound_s"] <= fig["batched_bound_s"]
+    assert "elastic_vs_async_user" in p.stdout and "lower bound" in p.stdout
+
+
+# On-policy, no batching gain (a = 0: decode time is linear in the batch), constant executions of
+# one call each, training half the work. Per step, with R = T = 6 * 40,000 * b = 120 cell-s of
+# rollout and of training and F = 1 s: colocated takes R/3 + T/3 + F = 81 s; a fixed split r:t
+# takes R/r + T/t + F, 181 s at 2:1 as at 1:2. Colocated is the best mode, by 362/162 = 2.23x.
+CRAFTED = {
+    "name": "crafted", "description": "known answer: colocated is best",
+    "cells": 3, "steps": 2, "staleness": 0, "tasks_per_step": 3, "samples_per_task": 2,
+    "tokens_per_execution": {"dist": "constant", "value": 40000}, "tokens_per_call": 40000, "tool_output_tokens": 1,
+    "tool_latency": {"dist": "constant", "value_full_batch_iterations": 1},
+    "cost": {"decode_b_s": 0.0005, "a_over_b": 0, "max_batch": 8, "prefill_s_per_token": 0.0,
+             "train_share": 0.5, "step_fixed_s": 1.0, "kv_bytes_per_token": 16, "handoff_s": 0.0},
+    "time_scale": 40.0, "seed": 0,
+}
+
+
+def test_a_workload_with_a_known_best_mode_gets_it():
+    from gyreflow.bench.placement import run_bench
+    from gyreflow.bench.workload import Workload
+
+    out = run_bench(Workload.from_dict(CRAFTED), arms=("colocated", "async_user", "async_oracle"), log=lambda *_: None)
+    m = {arm: v["emulated_s"]["mean"] for arm, v in out["modes"].items()}
+    assert min(m, key=m.get) == "colocated"
+    assert m["colocated"] == pytest.approx(162, rel=0.2)
+    assert out["modes"]["async_user"]["split"] == "1:2"  # the first step's work: half rollout, half training
+    assert m["async_user"] == pytest.approx(362, rel=0.2) and m["async_oracle"] == pytest.approx(362, rel=0.2)
+    # The bounds are those of the colocated schedule, which no placement can beat here.
+    assert out["lower_bound_s"] == pytest.approx(162, rel=0.01)

@@ -107,7 +107,7 @@ def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
 def test_pool_configs_that_cannot_work_are_refused(tmp_path):
     out = tmp_path / "run"
     p = run_cli("run", "--out", str(out), "--set", "cluster.placement=sometimes")
-    assert p.returncode == 2 and "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic" in p.stderr
+    assert p.returncode == 2 and "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic, lend" in p.stderr
     p = run_cli("run", "--out", str(out), "--set", "cluster.rollout_workers=0")
     assert p.returncode == 2 and "cluster.rollout_workers must be >= 1" in p.stderr
     assert not out.exists()
@@ -129,6 +129,8 @@ def test_more_cells_than_the_cluster_has_is_refused(tmp_path):
 def test_bench_placement_bad_input(tmp_path):
     p = run_cli("bench", "placement", "--modes", "elastic,fast")
     assert p.returncode == 2 and "unknown mode(s) 'fast'" in p.stderr
+    p = run_cli("bench", "placement", "--repeats", "0")
+    assert p.returncode == 2 and "--repeats" in p.stderr
     p = run_cli("bench", "placement", "--workload", str(tmp_path / "none.json"))
     assert p.returncode == 2 and "none.json" in p.stderr
     p = run_cli("bench", "placement", "--split", "9:9")

@@ -30,9 +30,12 @@ def test_file_then_overrides(tmp_path):
         ("rl.steps=1.5", "rl.steps must be an integer"),
         ("rl.staleness=-1", "rl.staleness must be >= 0"),
         ("agent.top_p=1.5", "agent.top_p must be in (0, 1]"),
-        ("cluster.placement=sometimes", "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic"),
+        ("cluster.placement=sometimes", "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic, lend"),
         ("cluster.rollout_workers=0", "cluster.rollout_workers must be >= 1"),
-        ("cluster.trainer_workers=0", "cluster.trainer_workers must be > 0"),
+        ("cluster.trainer_workers=-1", "cluster.trainer_workers must be >= 0"),
+        ("cluster.rollout_workers=1", "cluster: placement 'elastic' cannot move a cell on 2 cell(s): it keeps 1 rollout "
+                                      "and 1 trainer cell(s); start at least 3 cells (e.g. cluster.rollout_workers=2) "
+                                      "or use cluster.placement=async"),
         ("model.num_heads=3", "model.hidden_size (128) must be a multiple of model.num_heads (3)"),
         ("model.colour=blue", "unknown field model.colour; allowed:"),
         ("rl=3", "rl must be a table of fields"),

@@ -13,6 +13,7 @@ from gyreflow.cluster import dashboard
 from gyreflow.cluster.cell import CellService
 from gyreflow.cluster.plugin import PLUGIN_NAME, PoolsPlugin
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.cluster.status import PoolsStatus
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -155,18 +156,18 @@ class FakeScheduler:
 
 
 class FakePlugin:
-    history = ()
-    route_waiting = 2
+    """Stands in for a scheduler's PoolsPlugin: a status object, nothing else."""
 
     def __init__(self, scheduler: FakeScheduler, rollout: int) -> None:
         self.scheduler, self.rollout = scheduler, rollout
         scheduler.plugins["gyreflow-pools"] = self
 
-    def state(self) -> dict:
+    def status(self) -> PoolsStatus:
         cells = [f"tcp://r{i}" for i in range(self.rollout)]
-        return {"mode": "elastic", "pools": {ROLLOUT: cells, TRAINER: ["tcp://t0"]}, "moving": [],
-                "sessions": {c: 3 for c in cells}, "train_tasks": {"tcp://t0": 1}, "routed": 5, "moves": 4,
-                "migrations": 2, "migrated_bytes": 1024, "idle_cell_seconds": 1.5}
+        return PoolsStatus(time=1.0, wall=1.0, mode="elastic", pools={ROLLOUT: cells, TRAINER: ["tcp://t0"]}, moving=[],
+                           sessions={c: 3 for c in cells}, train_tasks={"tcp://t0": 1}, train_waiting=0, route_waiting=2,
+                           routed=5, moves=4, moves_failed=0, migrations=2, rebalanced_sessions=0, migrated_bytes=1024,
+                           idle_cell_seconds=1.5, move_log=[], timeline=[], stalls=[])
 
 
 def collected() -> dict[tuple, float]:

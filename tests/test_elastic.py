@@ -3,14 +3,15 @@ while generations and executions run, and nothing is lost, repeated or changed b
 
 One cluster of worker processes serves the whole module: cells ``cell-0`` and ``cell-1`` start in
 the rollout pool, ``cell-2`` in the trainer pool, and ``execution-0`` holds the execution slots.
-Placement is ``async`` (no cell moves by itself); the tests force moves through the scheduler
-plugin, exactly as its control loop applies a policy's moves. Every result is compared with the
-same request generated on an in-process engine that never moved.
+Placement is ``async`` (no cell moves by itself); the tests force moves through the plugin's
+``gyreflow_move`` RPC, which applies a move as its control loop applies a policy's. Every result is
+compared with the same request generated on an in-process engine that never moved.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -20,8 +21,6 @@ import torch
 from distributed import Client, Event, get_worker
 
 from gyreflow.cluster.local import PoolSpec, install, local_cluster
-from gyreflow.cluster.placement import Move
-from gyreflow.cluster.plugin import PLUGIN_NAME
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER
 from gyreflow.cluster.router import Router
 from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingParams
@@ -108,42 +107,41 @@ def addresses(client: Client) -> dict[str, str]:
     return {w["name"]: addr for addr, w in info["workers"].items()}
 
 
-def _plugin_state(dask_scheduler=None) -> dict:
-    plugin = dask_scheduler.plugins[PLUGIN_NAME]
-    return plugin.state() | {"roles": plugin.roles(), "routes": dict(plugin.sessions)}
-
-
 def pools(client: Client) -> dict:
-    return client.run_on_scheduler(_plugin_state)
+    """The plugin's status, with each cell's role."""
+    status = client.sync(client.scheduler.gyreflow_pools)
+    status["pools"] = {k: list(v) for k, v in status["pools"].items()}  # msgpack brings sequences as tuples
+    status["moving"] = list(status["moving"])
+    status["roles"] = {a: role for role in (ROLLOUT, TRAINER) for a in status["pools"][role]}
+    return status
+
+
+def route_of(client: Client, session: str) -> str | None:
+    return client.sync(client.scheduler.gyreflow_where, session=session)["engine"]
 
 
 def move(client: Client, addr: str, to: str) -> dict:
     """Apply a move as the plugin's control loop does; the move's log entry."""
-
-    async def apply(addr, to, dask_scheduler=None):
-        plugin = dask_scheduler.plugins[PLUGIN_NAME]
-        return await plugin.apply(Move(addr, to, "test"), decided=time.time())
-
-    entry = client.run_on_scheduler(apply, addr, to)
+    entry = client.sync(client.scheduler.gyreflow_move, cell=addr, to=to, reason="test")
     assert "error" not in entry and "aborted" not in entry, entry
     return entry
 
 
 def move_watched(client: Client, addr: str, to: str) -> tuple[dict, dict]:
-    """Like :func:`move`, and what routing sees while the move is being applied."""
-
-    async def apply(addr, to, dask_scheduler=None):
-        import asyncio
-
-        plugin = dask_scheduler.plugins[PLUGIN_NAME]
-        task = asyncio.create_task(plugin.apply(Move(addr, to, "test"), decided=time.time()))
-        await asyncio.sleep(0)  # the move has started: it waits for the cell's drain
-        during = {"done": task.done(), "moving": dict(plugin.moving), "engines": list(plugin.rollout_engines())}
-        return await task, during
-
-    entry, during = client.run_on_scheduler(apply, addr, to)
-    assert "error" not in entry and "aborted" not in entry, entry
-    return entry, during
+    """Like :func:`move`, and what the pools look like while the move is under way (its drain is
+    held half a second once its generations are exported)."""
+    armed = client.sync(client.scheduler.gyreflow_fault, cell=addr, point="after_export", times=1, delay_s=0.5)
+    assert armed["armed"] == "after_export" and armed["times"] == 1
+    out: dict = {}
+    mover = threading.Thread(target=lambda: out.setdefault("entry", move(client, addr, to)))
+    mover.start()
+    status = wait_for(lambda: (lambda s: s if addr in s["moving"] else None)(pools(client)), timeout=10,
+                      what="the move under way")
+    probe = client.sync(client.scheduler.gyreflow_route, session="probe-during-move")["engine"]
+    client.sync(client.scheduler.gyreflow_release, session="probe-during-move")
+    mover.join(timeout=60)
+    during = {"moving": status["moving"], "routed_to": probe}
+    return out["entry"], during
 
 
 def engine_stats(client: Client, addr: str) -> dict:
@@ -169,12 +167,7 @@ def layout(client: Client, published: dict, rollout=("cell-0", "cell-1"), traine
             client.submit(publish_weights, published, key=f"publish-v{VERSION}-{name}-{time.time()}", workers=[addr],
                           allow_other_workers=False, pure=False).result(timeout=60)
 
-    def release_all(dask_scheduler=None):
-        plugin = dask_scheduler.plugins[PLUGIN_NAME]
-        for s in list(plugin.sessions):
-            plugin.release(s)
-
-    client.run_on_scheduler(release_all)
+    wait_for(lambda: sum(pools(client)["sessions"].values()) == 0, what="no session routed anywhere")
     roles = pools(client)["roles"]
     for name in rollout:
         if roles.get(names[name]) != ROLLOUT:
@@ -250,13 +243,13 @@ def test_live_generation_migrates_exactly(client, published, model):
     before = pools(client)
     fut = client.submit(one_call, req, key="call-migrate-1", resources=SLOT, pure=False)
 
-    src = wait_for(lambda: pools(client)["routes"].get(req.session), what="the session's route")
+    src = wait_for(lambda: route_of(client, req.session), what="the session's route")
     src_name = next(n for n, a in names.items() if a == src)
     dst = names["cell-1" if src_name == "cell-0" else "cell-0"]
     wait_for(lambda: engine_stats(client, src)["tokens_generated"] - base[src_name] >= 8, what="tokens generated")
     entry, during = move_watched(client, src, TRAINER)
     # While it drains, the cell is out of routing and out of the policy's hands.
-    assert not during["done"] and during["moving"] == {src: TRAINER} and during["engines"] == [dst]
+    assert during["moving"] == [src] and during["routed_to"] == dst
 
     res, migrations, reroutes = fut.result(timeout=60)
     assert entry["migrated"] == 1  # it was still in flight when the cell moved
@@ -351,7 +344,7 @@ def test_pools_change_while_executions_run(client, published, model):
     before = pools(client)
     eids = [f"exec-{i:02d}" for i in range(12)]
     execs = [client.submit(execution, eid, i, 3, 24, stop, key=eid, resources=SLOT, pure=False) for i, eid in enumerate(eids)]
-    wait_for(lambda: len(pools(client)["routes"]) == len(eids), what="every execution routed")
+    wait_for(lambda: sum(pools(client)["sessions"].values()) == len(eids), what="every execution routed")
 
     entries = [move(client, c0, TRAINER)]  # c0's generations move to c1
     trains = [client.submit(trainer_task, f"t{i}", 0.1, key=f"train-{i:02d}", resources=TRAIN, pure=False)
@@ -449,7 +442,7 @@ def test_router_reroutes_a_session_whose_cell_left(client, published, model):
 
     fut = client.submit(two_calls, r1, r2, first.name, moved.name, key="call-reroute", resources=SLOT, pure=False)
     assert first.wait(timeout=60)
-    src = pools(client)["routes"]["reroute"]
+    src = route_of(client, "reroute")
     entry = move(client, src, TRAINER)
     moved.set()
     a, b, reroutes, migrations = fut.result(timeout=60)
@@ -467,10 +460,10 @@ def test_colocated_moves_every_cell_to_training_and_back(client, published):
     cell, the last rollout cell included; a call waiting for an engine brings them all back."""
     names = layout(client, published, rollout=CELLS, trainer=())
 
-    def mode(m, dask_scheduler=None):
-        return dask_scheduler.plugins[PLUGIN_NAME].placement(m)
+    def mode(m):
+        assert client.sync(client.scheduler.gyreflow_placement, mode=m) == {"mode": m}
 
-    client.run_on_scheduler(mode, "colocated")
+    mode("colocated")
     try:
         futs = [client.submit(trainer_task, f"colo-{i}", 1.0, key=f"colo-{i}", resources=TRAIN, pure=False)
                 for i in range(6)]
@@ -482,7 +475,7 @@ def test_colocated_moves_every_cell_to_training_and_back(client, published):
         moves = pools(client)["move_log"]
         assert not any(m.get("error") for m in moves)
     finally:
-        client.run_on_scheduler(mode, "async")
+        mode("async")
 
 
 def test_downscaling_spares_busy_cells(client, published):
@@ -492,14 +485,15 @@ def test_downscaling_spares_busy_cells(client, published):
     fut = client.submit(trainer_task, "downscale", 1.0, key="downscale-busy", resources=TRAIN, pure=False)
     wait_for(lambda: task_state(client, fut.key) == "processing", what="the trainer task assigned")
 
-    def candidates(dask_scheduler=None):
-        plugin = dask_scheduler.plugins[PLUGIN_NAME]
-        cells = [ws for ws in dask_scheduler.workers.values() if ws.resources.get("rollout") is not None]
-        return sorted(ws.address for ws in plugin.valid_workers_downscaling(dask_scheduler, cells))
+    def candidates() -> list[str]:
+        """The cells Dask's own downscaling would retire (``Scheduler.workers_to_close``, which asks
+        every scheduler plugin's ``valid_workers_downscaling``)."""
+        closing = client.sync(client.scheduler.workers_to_close, n=len(CELLS) + 1)
+        return sorted(a for a in closing if a != names["execution-0"])
 
     try:
-        assert client.run_on_scheduler(candidates) == [names["cell-1"]]  # cell-0 serves a session, cell-2 trains
+        assert candidates() == [names["cell-1"]]  # cell-0 serves a session, cell-2 trains
     finally:
         fut.result(timeout=30)
         client.sync(client.scheduler.gyreflow_release, session="busy-session")
-    assert sorted(client.run_on_scheduler(candidates)) == sorted(names[c] for c in CELLS)
+    assert candidates() == sorted(names[c] for c in CELLS)

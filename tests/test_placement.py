@@ -2,16 +2,18 @@
 
 import pytest
 
-from gyreflow.cluster.placement import PLACEMENTS, Cell, ColocatedPolicy, ElasticPolicy, Move, PoolSnapshot, make_policy
+from gyreflow.cluster.modes import PLACEMENTS, make_policy
+from gyreflow.cluster.placement import Cell, ColocatedPolicy, ElasticPolicy, LendPolicy, Move, PoolSnapshot
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 
 NOW = 100.0
 
 
-def cell(name, role, sessions=0, train=0, since=0.0, idle_since=None, moving=False):
+def cell(name, role, sessions=0, train=0, since=0.0, idle_since=None, moving=False, home=None):
     if role == TRAINER and train == 0 and idle_since is None:
         idle_since = 0.0
-    return Cell(name, role, sessions=sessions, train_tasks=train, since=since, idle_since=idle_since, moving=moving)
+    return Cell(name, role, sessions=sessions, train_tasks=train, since=since, idle_since=idle_since, moving=moving,
+                home=home or role)
 
 
 def snap(*cells, train_waiting=0, route_waiting=0, backlog=None, time=NOW):
@@ -25,10 +27,46 @@ def targets(moves):
 
 
 def test_registry_is_the_only_dispatch():
-    assert PLACEMENTS.names() == ["async", "colocated", "elastic"]
+    assert PLACEMENTS.names() == ["async", "colocated", "elastic", "lend"]
     assert isinstance(make_policy("elastic", consolidate_batch=4), ElasticPolicy)
-    with pytest.raises(ValueError, match="unknown placement mode 'sometimes'; allowed: 'async', 'colocated', 'elastic'"):
+    with pytest.raises(ValueError, match="unknown placement mode 'sometimes'; allowed: 'async', 'colocated', 'elastic', 'lend'"):
         make_policy("sometimes")
+    with pytest.raises(ValueError, match="placement 'async' has no option 'dwell_s'; allowed: none"):
+        make_policy("async", dwell_s=1.0)
+
+
+def test_modes_carry_their_behaviour():
+    colocated, static, lend, elastic = (PLACEMENTS.get(n) for n in ("colocated", "async", "lend", "elastic"))
+    # Staleness: colocated is on-policy whatever the run asks; the others keep the bound.
+    assert colocated.staleness(1) == 0 and static.staleness(1) == 1 and elastic.staleness(2) == 2
+    # Start split: colocated starts with every cell rolling out.
+    assert colocated.start_split(6, 2) == (8, 0) and static.start_split(6, 2) == (6, 2)
+    # Weights: only modes whose trainer cells may roll out publish to them.
+    assert not static.trainers_roll_out and lend.trainers_roll_out and elastic.trainers_roll_out
+    # Joiners take the split's proportion: a quarter of 4 joiners of a 6:2 split train.
+    assert static.join_role(6, 2, 4).count(True) == 1 and colocated.join_role(6, 2, 4) == [False] * 4
+    assert sum(static.join_role(5, 5, 10)) == 5
+    # Shapes a mode cannot work on are refused with the fix named.
+    assert static.check(1, 0) and "trainer_workers >= 1" in static.check(1, 0)
+    why = elastic.check(1, 1, min_rollout=1, min_trainer=1)
+    assert "cannot move a cell on 2 cell(s)" in why and "cluster.rollout_workers=2" in why
+    assert elastic.check(2, 1) is None and colocated.check(1, 0) is None and lend.check(2, 1) is None
+    assert static.options() == [] and "dwell_s" in elastic.options()
+
+
+def test_lend_lends_idle_trainers_and_takes_them_back():
+    p = LendPolicy(idle_s=5.0, dwell_s=1.0)
+    # No training work, executions live: a home trainer idle long enough is lent to rollout.
+    s = snap(cell("r0", ROLLOUT, sessions=9), cell("t0", TRAINER, idle_since=NOW - 10))
+    assert p.decide(s) == [Move("t0", ROLLOUT, "no training work: lent to rollout")]
+    assert p.decide(snap(cell("r0", ROLLOUT, sessions=9), cell("t0", TRAINER, idle_since=NOW - 1))) == []
+    # Training work arrives: every lent cell goes back, rollout-home cells never train.
+    s = snap(cell("r0", ROLLOUT, sessions=9), cell("t0", ROLLOUT, sessions=4, home=TRAINER),
+             cell("t1", ROLLOUT, home=TRAINER), train_waiting=3)
+    assert targets(p.decide(s)) == {"t0": TRAINER, "t1": TRAINER}
+    # A cell lent a moment ago stays put (dwell).
+    s = snap(cell("r0", ROLLOUT), cell("t0", ROLLOUT, home=TRAINER, since=NOW - 0.5), train_waiting=3)
+    assert p.decide(s) == []
 
 
 def test_async_never_moves():
@@ -36,44 +74,53 @@ def test_async_never_moves():
     assert make_policy("async").decide(s) == []
 
 
-def test_elastic_takes_idle_tail_cells_for_ready_training():
-    # The tail: 6 executions left on 4 rollout cells, 5 s of gradient shares for 1 trainer.
+def test_elastic_takes_cells_for_ready_training_least_loaded_first():
+    # 5 s of gradient shares ready for 1 trainer cell, to be cleared within 1 s: 5 cells' worth.
     s = snap(cell("r0", ROLLOUT, sessions=3), cell("r1", ROLLOUT, sessions=2), cell("r2", ROLLOUT, sessions=1),
              cell("r3", ROLLOUT, sessions=0), cell("t0", TRAINER, train=5), backlog=5.0)
-    moves = ElasticPolicy(consolidate_batch=4, drain_s=1.0).decide(s)
-    # 6 executions fit on ceil(6/4) = 2 cells: the two with the fewest executions go (least to migrate).
-    assert targets(moves) == {"r3": TRAINER, "r2": TRAINER}
-    assert all("training ready" in m.reason for m in moves)
+    moves = ElasticPolicy(drain_s=1.0).decide(s)
+    # One rollout cell stays (min_rollout); the three with the fewest executions go: the least to migrate.
+    assert targets(moves) == {"r3": TRAINER, "r2": TRAINER, "r1": TRAINER}
+    assert all("training needs 5.0 cells" in m.reason for m in moves)
+
+
+def test_elastic_keeps_up_with_the_rate_of_training_work():
+    # Little is ready now, but 2.2 cell-seconds of training arrive every second: 1 trainer is short.
+    s = snap(*(cell(f"r{i}", ROLLOUT, sessions=30) for i in range(6)), cell("t0", TRAINER, train=1), backlog=0.1)
+    s = PoolSnapshot(time=s.time, cells=s.cells, train_backlog_s=0.1, train_rate=2.2)
+    moves = ElasticPolicy(drain_s=1.0, headroom=0.1).decide(s)  # 2.2 * 1.1 + 0.1 = 2.52 cells
+    assert len(moves) == 2 and {m.to for m in moves} == {TRAINER}
+    # Within half a cell of the need: nothing moves (no flapping around a fractional need).
+    s2 = PoolSnapshot(time=s.time, cells=s.cells, train_backlog_s=0.1, train_rate=1.2)  # 1.42 cells
+    assert ElasticPolicy(drain_s=1.0, headroom=0.1).decide(s2) == []
 
 
 def test_elastic_short_burst_of_training_takes_no_cell():
-    # Work one trainer clears within drain_s: moving a cell (and migrating) is not worth it.
     s = snap(cell("r0", ROLLOUT, sessions=1), cell("r1", ROLLOUT, sessions=1), cell("t0", TRAINER, train=8), backlog=0.4)
     assert ElasticPolicy(drain_s=1.0).decide(s) == []
 
 
-def test_elastic_keeps_cells_while_executions_need_them():
-    s = snap(*(cell(f"r{i}", ROLLOUT, sessions=16) for i in range(4)), cell("t0", TRAINER, train=8), backlog=30.0)
-    assert ElasticPolicy(consolidate_batch=16).decide(s) == []
-
-
-def test_elastic_moves_nothing_without_training_work():
+def test_elastic_moves_nothing_without_training_work_or_crowding():
     s = snap(cell("r0", ROLLOUT, sessions=1), cell("r1", ROLLOUT), cell("r2", ROLLOUT), cell("t0", TRAINER))
     assert ElasticPolicy().decide(s) == []
 
 
-def test_elastic_returns_trainers_when_rollout_lacks_capacity():
+def test_elastic_idle_trainers_roll_out_when_executions_wait_for_slots():
+    # 40 executions, 16 per rollout cell at most: both idle trainers help (one trainer cell stays).
     s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), cell("t1", TRAINER), cell("t2", TRAINER))
-    moves = ElasticPolicy(consolidate_batch=16, min_trainer=1).decide(s)
-    # 40 executions need 3 rollout cells: both idle trainers go back, the busy one stays.
+    moves = ElasticPolicy(consolidate_batch=16, min_trainer=1, idle_s=1.0).decide(s)
     assert targets(moves) == {"t1": ROLLOUT, "t2": ROLLOUT}
-    assert "need 3 rollout cells" in moves[0].reason
+    assert "need more than 1 rollout cells" in moves[0].reason
 
 
-def test_elastic_spreads_crowded_rollout_onto_long_idle_trainers():
-    cells_ = (cell("r0", ROLLOUT, sessions=20), cell("t0", TRAINER, idle_since=10.0), cell("t1", TRAINER, idle_since=10.0))
+def test_elastic_idle_trainers_beyond_the_need_spread_crowded_rollout():
+    cells_ = (cell("r0", ROLLOUT, sessions=20), cell("t0", TRAINER, idle_since=10.0), cell("t1", TRAINER, idle_since=10.0),
+              cell("t2", TRAINER, idle_since=10.0))
     moves = ElasticPolicy(consolidate_batch=32, spread_batch=8, idle_s=1.0).decide(snap(*cells_))
-    assert len(moves) == 1 and moves[0].to == ROLLOUT  # one at a time
+    assert {m.to for m in moves} == {ROLLOUT} and len(moves) == 2  # need 0: all but min_trainer
+    # The measured rate of training work says they will be needed: they stay.
+    busy = PoolSnapshot(time=NOW, cells=cells_, train_rate=2.5)
+    assert ElasticPolicy(consolidate_batch=32, spread_batch=8, idle_s=1.0, headroom=0.0).decide(busy) == []
     # Not crowded: trainers stay where they are.
     assert ElasticPolicy(spread_batch=32).decide(snap(*cells_)) == []
 
@@ -81,24 +128,24 @@ def test_elastic_spreads_crowded_rollout_onto_long_idle_trainers():
 def test_elastic_hysteresis_no_flapping():
     # Moved a moment ago: it stays put even though the work changed.
     recent = cell("t1", TRAINER, since=NOW - 0.01, idle_since=NOW - 0.01)
-    s = snap(cell("r0", ROLLOUT, sessions=20), cell("t0", TRAINER, train=1), recent)
-    assert ElasticPolicy(dwell_s=0.25).decide(s) == []
-    # A trainer that went idle only just now is not returned for spreading either.
+    s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), recent)
+    assert ElasticPolicy(dwell_s=0.25, consolidate_batch=16).decide(s) == []
+    # A trainer that went idle only just now is not lent either.
     fresh = [cell(f"t{i}", TRAINER, since=0.0, idle_since=NOW - 0.001) for i in range(2)]
-    assert ElasticPolicy(idle_s=1.0).decide(snap(cell("r0", ROLLOUT, sessions=20), *fresh)) == []
+    assert ElasticPolicy(idle_s=1.0).decide(snap(cell("r0", ROLLOUT, sessions=40), *fresh)) == []
 
 
 def test_elastic_never_strands_work():
     # Never below one rollout cell (executions would have no engine) ...
     s = snap(cell("r0", ROLLOUT, sessions=1), cell("t0", TRAINER, train=7), backlog=70.0)
-    assert ElasticPolicy(consolidate_batch=64).decide(s) == []
+    assert ElasticPolicy().decide(s) == []
     # ... never a trainer cell with a task on it ...
     s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), cell("t1", TRAINER, train=1))
     assert ElasticPolicy(consolidate_batch=16).decide(s) == []
     # ... and a cell already moving is left alone (its role is the one it moves to).
     s = snap(cell("r0", ROLLOUT, sessions=2), cell("r1", TRAINER, moving=True), cell("r2", ROLLOUT),
              cell("t0", TRAINER, train=6), backlog=6.0)
-    moves = ElasticPolicy(consolidate_batch=8).decide(s)
+    moves = ElasticPolicy().decide(s)
     assert "r1" not in targets(moves) and targets(moves) == {"r2": TRAINER}
 
 
@@ -124,7 +171,7 @@ def test_colocated_phases():
 
 
 def test_sessions_rebalance_onto_engines_that_joined():
-    from gyreflow.cluster.policy import RouteSnapshot, rebalance_sessions
+    from gyreflow.cluster.routing import RouteSnapshot, rebalance_sessions
 
     # 12 sessions crowd engine a; b and c just joined the rollout pool.
     sessions = {f"s{i}": "a" for i in range(12)}

@@ -541,7 +541,7 @@ def emulated_engine_factory(
     ``engine_options``.
     """
     if isinstance(workload, str):
-        from gyreflow.bench.workload import load_workload
+        from gyreflow.bench.workload_file import load_workload
 
         workload = load_workload(workload)
     return EmulatedEngine(workload, time_scale=time_scale, name=name, version=version, quantum_s=quantum_s)

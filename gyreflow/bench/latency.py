@@ -16,7 +16,6 @@ import time
 from distributed import Client, get_worker, wait
 
 from gyreflow.cluster.local import PoolSpec, cells_of, install, local_cluster
-from gyreflow.cluster.placement import Move
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 
 
@@ -24,13 +23,6 @@ def _share(seconds: float) -> dict:
     start = time.time()
     time.sleep(seconds)
     return {"worker": get_worker().address, "start": start}
-
-
-async def _move(cell: str, to: str, dask_scheduler=None) -> dict:
-    plugin = dask_scheduler.plugins["gyreflow-pools"]
-    decided = time.time()
-    plugin.moving[cell] = to
-    return await plugin.apply(Move(cell, to, "benchmark"), decided=decided)
 
 
 def run_latency_bench(rounds: int = 10, queued: int = 4, task_s: float = 0.2, log=print) -> dict:
@@ -55,13 +47,13 @@ def run_latency_bench(rounds: int = 10, queued: int = 4, task_s: float = 0.2, lo
                 if info >= queued:
                     break
                 time.sleep(0.005)
-            entry = client.run_on_scheduler(_move, mover, TRAINER)
+            entry = client.sync(client.scheduler.gyreflow_move, cell=mover, to=TRAINER, reason="benchmark")
             wait(futures)
             results = [f.result() for f in futures]
-            on_moved = [x["start"] for x in results if x["worker"] == mover and x["start"] >= entry["decided"]]
+            on_moved = [x["start"] for x in results if x["worker"] == mover and x["start"] >= entry["decided_wall"]]
             if on_moved:
-                latencies.append(min(on_moved) - entry["decided"])
-            client.run_on_scheduler(_move, mover, ROLLOUT)
+                latencies.append(min(on_moved) - entry["decided_wall"])
+            client.sync(client.scheduler.gyreflow_move, cell=mover, to=ROLLOUT, reason="benchmark")
             log(f"  round {r}: {'-' if not on_moved else f'{latencies[-1] * 1000:.1f} ms'}")
     return {
         "rounds": rounds,

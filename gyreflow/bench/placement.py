@@ -1,26 +1,46 @@
-"""`gyreflow bench placement`: colocated vs async vs elastic, side by side, in one invocation.
+"""`gyreflow bench placement`: every placement mode on one workload, interleaved and repeated.
 
-Each mode runs on a fresh real Dask cluster (one worker process per cell, one for the executions)
-with the real scheduler plugin, placement policy, router, migration and step graph
+Each run is a fresh real Dask cluster (one worker process per cell, one for the executions) with
+the real scheduler plugin, placement policy, router, migration and step graph
 (:mod:`gyreflow.stepgraph`); only the compute inside engines and trainer tasks follows the
-workload's cost model (:mod:`gyreflow.bench.stages`, :mod:`gyreflow.bench.emulated_engine`).
-Emulated seconds are wall seconds times the workload's ``time_scale``.
+workload's cost model (:mod:`gyreflow.bench.stages`, :mod:`gyreflow.bench.emulated_engine`). The
+plugin runs on the workload's emulated clock, with its time constants in units of the workload
+(:func:`placement_timing`), so that what it decides does not depend on ``time_scale``. Cells of
+the workload's timeline are started with the cluster, held out of both pools until they join, and
+retired (generations migrated first) when they leave.
 
-Baselines are the strongest reasonable versions: ``async`` starts an execution as soon as an
-engine has room (within the staleness bound), streams training like ``elastic`` and is run at
-several rollout:trainer splits, of which the best is reported; ``colocated`` uses every cell for
-both phases, on-policy (staleness 0).
+Arms (``--modes``):
+
+``colocated``
+    every cell rolls out, then every cell trains, on-policy. Its first step is also what a user
+    measures to choose a split.
+``async_user``
+    ``async`` at the split a user would choose from that first step: rollout took ``R`` s and
+    training ``T`` s, both on all cells, so ``round(cells * T / (R + T))`` trainer cells (at least
+    one each way).
+``async_oracle``
+    ``async`` at the best of the splits tried (1 to ``cells // 2`` trainer cells), in hindsight: the
+    first repeat runs them all, later repeats the best two of the first.
+``lend``
+    the reactive switch peers ship, at the user's split.
+``elastic``
+    gyreflow's elastic placement, started at the user's split.
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import threading
 import time
 from collections import deque
+from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 
-from distributed import Client
+from distributed import Client, wait
 
+from gyreflow.bench.bounds import batched_bound, lower_bound
 from gyreflow.bench.emulated_engine import emulated_engine_factory
 from gyreflow.bench.stages import (
     emulated_execution,
@@ -31,12 +51,19 @@ from gyreflow.bench.stages import (
     emulated_update,
     emulated_weights,
 )
-from gyreflow.bench.workload import Workload, lower_bound
-from gyreflow.cluster.local import PoolSpec, cells_of, install, local_cluster
+from gyreflow.bench.workload import Workload, cell_name
+from gyreflow.cluster.clock import Clock
+from gyreflow.cluster.control import Timing
+from gyreflow.cluster.local import PoolSpec, install, local_cluster
+from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
-from gyreflow.stepgraph import Group, Stages, publish, submit_step
+from gyreflow.stepgraph import Group, Stages, submit_step
 
-MODES = ("colocated", "async", "elastic")
+ARMS = ("colocated", "async_user", "async_oracle", "lend", "elastic")
+ARM_MODE = {"colocated": "colocated", "async_user": "async", "async_oracle": "async", "lend": "lend",
+            "elastic": "elastic"}
+BASELINES = {"elastic_vs_async_user": "async_user", "elastic_vs_async_oracle": "async_oracle",
+             "elastic_vs_colocated": "colocated", "elastic_vs_lend": "lend"}
 
 
 def stages_for(workload: Workload) -> Stages:
@@ -46,126 +73,300 @@ def stages_for(workload: Workload) -> Stages:
                   publish=emulated_publish)
 
 
+def call_s(workload: Workload) -> float:
+    """The workload's unit of time: one model call at a full batch (emulated seconds)."""
+    return workload.tokens_per_call * workload.iteration_s(workload.cost.max_batch)
+
+
+def placement_timing(workload: Workload) -> tuple[Timing, dict]:
+    """The plugin's timing and the policies' time options, in units of :func:`call_s`."""
+    u = call_s(workload)
+    timing = Timing(tick_s=u / 8, history_s=u / 2, rebalance_s=u / 8, stall_s=200 * u, stall_check_s=4 * u,
+                    rate_window_s=40 * u)
+    return timing, {"dwell_s": u, "idle_s": u, "drain_s": u}
+
+
 def default_splits(cells: int) -> list[tuple[int, int]]:
-    """rollout:trainer splits tried for ``async`` (training is about 30% of the work)."""
-    return [(cells - k, k) for k in (1, 2, 3) if cells - k >= 1]
+    """rollout:trainer splits tried for the oracle: 1 to ``cells // 2`` trainer cells."""
+    return [(cells - k, k) for k in range(1, cells // 2 + 1) if cells - k >= 1]
 
 
-def run_mode(workload: Workload, mode: str, rollout: int, trainer: int, placement_options: dict | None = None,
-             log=print, shares_per_group: int = 8) -> dict:
-    """One mode on a fresh cluster; the figures of :func:`summarise`."""
-    staleness = 0 if mode == "colocated" else workload.staleness
-    slots = workload.executions_per_step * (staleness + 2)
-    spec = PoolSpec(rollout=rollout, trainer=trainer, execution_slots=slots)
-    with local_cluster(spec) as cluster, Client(cluster) as client:
-        install(client, None, {"workload": workload}, mode, placement_options, engine_factory=emulated_engine_factory)
-        stages = stages_for(workload)
-        pools = cells_of(client)
-        cells = pools[ROLLOUT] + pools[TRAINER]
-        state = published = {"version": 0, "run": f"bench-{mode}"}
-        publish(client, stages, published, cells, 0)
-        t0 = time.time()
-        in_flight: deque = deque()
-        updates, executions = [], []
-
-        def finish() -> None:
-            sf = in_flight.popleft()
-            updates.append(sf.update.result())
-            publish(client, stages, sf.published, cells, updates[-1]["version"])
-            log(f"  {mode}: step {sf.step} done at {(time.time() - t0) * workload.time_scale:,.0f} s emulated")
-
-        for step in range(workload.steps):
-            while in_flight and in_flight[0].step <= step - staleness - 1:
-                finish()
-            by_task: dict[int, list] = {}
-            for ex in workload.executions(step):
-                by_task.setdefault(ex.task, []).append((ex.execution_id, (ex, workload.time_scale)))
-            groups = [Group(f"t{t}", specs) for t, specs in sorted(by_task.items())]
-            sf = submit_step(client, step, groups, stages, state, published, shares_per_group=shares_per_group)
-            in_flight.append(sf)
-            executions.extend(sf.executions)
-            state, published = sf.update, sf.published
-        while in_flight:
-            finish()
-        wall = time.time() - t0
-        client.sync(client.scheduler.gyreflow_placement, mode="async")  # no move while the cluster closes
-        results = client.gather(executions)
-        engines = client.run(lambda dask_worker: dask_worker.plugins["gyreflow-engine"].stats(), workers=cells)
-        pools_state = client.sync(client.scheduler.gyreflow_pools)
-        move_log = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["gyreflow-pools"].move_log))
-    return summarise(workload, mode, f"{rollout}:{trainer}", wall, updates, results, engines, pools_state, move_log)
+def user_split(cells: int, rollout_s: float, train_s: float) -> tuple[int, int]:
+    """The split a user picks from a first step whose rollout took ``rollout_s`` and training
+    ``train_s`` on all ``cells``: the trainer share of that work, rounded, one cell at least each way."""
+    trainer = min(cells - 1, max(1, round(cells * train_s / (rollout_s + train_s))))
+    return cells - trainer, trainer
 
 
-def summarise(workload: Workload, mode: str, split: str, wall: float, updates: list[dict], results: list[dict],
-              engines: dict, pools_state: dict, move_log: list[dict]) -> dict:
-    scale = workload.time_scale
-    cells = len(engines)
-    engine_busy = sum(s.get("busy_s", 0.0) for s in engines.values())
-    train_busy = sum((s["end"] - s["start"]) * scale for u in updates for s in u["metrics"]["shares"])
-    train_busy += sum((u["metrics"]["update"]["end"] - u["metrics"]["update"]["start"]) * scale for u in updates)
-    emulated = wall * scale
-    # Move decision -> first trainer task executing on the moved cell.
-    starts: dict[str, list[float]] = {}
-    for u in updates:
-        for s in u["metrics"]["shares"]:
-            starts.setdefault(s["worker"], []).append(s["start"])
-        starts.setdefault(u["metrics"]["update"]["worker"], []).append(u["metrics"]["update"]["start"])
-    latencies = []
-    for m in move_log:
-        if m.get("to") == TRAINER and "error" not in m and not m.get("aborted"):
-            later = [t for t in starts.get(m["cell"], []) if t >= m["decided"]]
-            if later:
-                latencies.append(min(later) - m["decided"])
-    lags = [s.get("mean_resolve_lag_s", 0.0) for s in engines.values()]
-    return {
-        "mode": mode,
-        "split": split,
-        "wall_s": wall,
-        "emulated_s": emulated,
-        "utilization": (engine_busy + train_busy) / (cells * emulated) if emulated else 0.0,
-        "moves": pools_state["moves"],
-        "migrations": pools_state["migrations"],
-        "migrated_bytes": pools_state["migrated_bytes"],
-        "executions": len(results),
-        "unique_executions": len({r["execution_id"] for r in results}),
-        "tokens": int(sum(r["tokens"] for r in results)),
-        "max_staleness": max(u["metrics"]["max_staleness"] for u in updates),
-        "move_to_trainer_task_s": {"median": statistics.median(latencies) if latencies else None,
-                                   "n": len(latencies), "max": max(latencies) if latencies else None},
-        "engine_resolve_lag_emulated_s": statistics.mean(lags) if lags else 0.0,
-    }
+def _git_revision() -> str:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if rev.returncode != 0:
+        return "unknown"
+    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def run_bench(workload: Workload, splits: list[tuple[int, int]] | None = None, modes=MODES,
-              elastic_options: dict | None = None, log=print) -> dict:
-    """All modes on ``workload``; the figures and ratios of the placement benchmark."""
+# ---------------------------------------------------------------------------------------- one run
+
+
+class _Run:
+    """One arm on a fresh cluster: the step loop, the cell timeline, and what was measured."""
+
+    def __init__(self, workload: Workload, mode_name: str, split: tuple[int, int], log, options: dict | None,
+                 shares_per_group: int) -> None:
+        self.w, self.mode, self.log = workload, placement_mode(mode_name), log
+        self.mode_name = mode_name
+        self.split = self.mode.start_split(*split)
+        self.staleness = self.mode.staleness(workload.staleness)
+        self.options = options
+        self.shares_per_group = shares_per_group
+        self.departed_stats: dict[str, dict] = {}
+
+    def run(self) -> dict:
+        w = self.w
+        r, t = self.split
+        held = w.max_cells - w.cells
+        slots = max(w.at(k).executions_per_step for k in range(w.steps)) * (self.staleness + 2)
+        spec = PoolSpec(rollout=r, trainer=t, held=held, execution_slots=slots)
+        timing, options = placement_timing(w)
+        options = {k: v for k, v in options.items() if k in self.mode.options()} | (self.options or {})
+        with local_cluster(spec) as cluster, Client(cluster) as client:
+            client.wait_for_workers(w.max_cells + 1)
+            self.clock = Clock(scale=w.time_scale, origin=time.time())
+            install(client, None, {"workload": w}, self.mode_name, options, engine_factory=emulated_engine_factory,
+                    clock=self.clock, timing=timing)
+            self.client, self.stages = client, stages_for(w)
+            info = client.scheduler_info(n_workers=-1)["workers"]
+            self.names = {v["name"]: a for a, v in info.items()}
+            state = published = {"version": 0, "run": f"bench-{self.mode_name}"}
+            self._publish(published, 0)
+            self.t0 = time.time()
+            events = threading.Thread(target=self._timeline, daemon=True, name="bench-timeline")
+            events.start()
+            in_flight: deque = deque()
+            updates, executions = [], []
+            for step in range(w.steps):
+                while in_flight and in_flight[0].step <= step - self.staleness - 1:
+                    updates.append(self._finish(in_flight.popleft()))
+                by_task: dict[int, list] = {}
+                for ex in w.executions(step):
+                    by_task.setdefault(ex.task, []).append((ex.execution_id, (ex, w.time_scale)))
+                groups = [Group(f"t{t}", specs) for t, specs in sorted(by_task.items())]
+                sf = submit_step(client, step, groups, self.stages, state, published, shares_per_group=self.shares_per_group)
+                in_flight.append(sf)
+                executions.extend(sf.executions)
+                state, published = sf.update, sf.published
+            while in_flight:
+                updates.append(self._finish(in_flight.popleft()))
+            wall = time.time() - self.t0
+            self._stop = True
+            events.join(timeout=60)
+            client.sync(client.scheduler.gyreflow_placement, mode="async")  # no move while the cluster closes
+            results = client.gather(executions)
+            engines = client.run(lambda dask_worker: dask_worker.plugins["gyreflow-engine"].stats(),
+                                 workers=[a for n, a in self._live_cells().items()])
+            status = client.sync(client.scheduler.gyreflow_pools)
+        return self._summary(wall, updates, results, engines | self.departed_stats, status)
+
+    def _live_cells(self) -> dict[str, str]:
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        return {v["name"]: a for a, v in info.items() if str(v["name"]).startswith("cell-")}
+
+    def _publish(self, published, version: int) -> None:
+        """The weights version to every cell that may serve rollout now or later (held cells too)."""
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        targets = [a for a, v in info.items() if str(v["name"]).startswith("cell-")
+                   and (self.mode.trainers_roll_out or v.get("resources", {}).get(TRAINER, 0) == 0)]
+        done = [self.client.submit(self.stages.publish, published, key=f"publish-v{version}-{a.split('//')[-1]}",
+                                   workers=[a], allow_other_workers=False, pure=False) for a in targets]
+        wait(done, timeout=60)  # a cell that left meanwhile does not hold the run up
+        for f in done:
+            if not f.done():
+                f.cancel()
+
+    def _finish(self, sf) -> dict:
+        update = sf.update.result()
+        self._publish(sf.published, update["version"])
+        end = (time.time() - self.t0) * self.w.time_scale
+        self.log(f"  {self.mode_name} {self.split[0]}:{self.split[1]}: step {sf.step} done at {end:,.0f} s emulated")
+        return update | {"done_emulated": end}
+
+    _stop = False
+
+    def _timeline(self) -> None:
+        """Join and retire cells at the workload's emulated times."""
+        w = self.w
+        roles = self.mode.join_role(*self.split, sum(e.join for e in w.timeline))
+        joined = w.cells
+        for event in w.timeline:
+            while not self._stop and (time.time() - self.t0) * w.time_scale < event.at:
+                time.sleep(min(0.05, max(0.0, event.at / w.time_scale - (time.time() - self.t0))))
+            if self._stop:
+                return
+            for _ in range(event.join):
+                role = TRAINER if roles[joined - w.cells] else ROLLOUT
+                out = self.client.sync(self.client.scheduler.gyreflow_join, cell=self.names[cell_name(joined)], role=role)
+                if "error" in out:
+                    self.log(f"  join of {cell_name(joined)} failed: {out['error']}")
+                joined += 1
+            for name in event.leave:  # what a leaving cell did counts: a last look before it goes
+                addr = self.names[name]
+                self.departed_stats[name] = self.client.run(
+                    lambda dask_worker: dask_worker.plugins["gyreflow-engine"].stats(), workers=[addr])[addr]
+                out = self.client.sync(self.client.scheduler.gyreflow_retire, cell=addr)
+                if "error" in out:
+                    self.log(f"  retirement of {name} failed: {out['error']}")
+
+    def _summary(self, wall: float, updates: list[dict], results: list[dict], engines: dict, status: dict) -> dict:
+        w, scale = self.w, self.w.time_scale
+        emulated = wall * scale
+        engine_busy = sum(s.get("busy_s", 0.0) for s in engines.values())
+        shares = [s for u in updates for s in u["metrics"]["shares"]]
+        train_busy = sum((s["end"] - s["start"]) * scale for s in shares)
+        train_busy += sum((u["metrics"]["update"]["end"] - u["metrics"]["update"]["start"]) * scale for u in updates)
+        origin = self.clock.at(self.t0)  # plugin clock reading at the run's start
+        first = [r for r in results if r["execution_id"].startswith("s0-")]
+        rollout_s = (max(r["end"] for r in first) - self.t0) * scale
+        train_s = (updates[0]["metrics"]["update"]["end"] - self.t0) * scale - rollout_s
+        return {
+            "mode": self.mode_name,
+            "split": f"{self.split[0]}:{self.split[1]}",
+            "wall_s": wall,
+            "emulated_s": emulated,
+            "utilization": (engine_busy + train_busy) / w.cell_seconds(emulated) if emulated else 0.0,
+            "moves": status["moves"],
+            "moves_failed": status["moves_failed"],
+            "migrations": status["migrations"],
+            "migrated_bytes": status["migrated_bytes"],
+            "executions": len(results),
+            "unique_executions": len({r["execution_id"] for r in results}),
+            "tokens": int(sum(r["tokens"] for r in results)),
+            "max_staleness": max(u["metrics"]["max_staleness"] for u in updates),
+            "step_end_s": [u["done_emulated"] for u in updates],
+            "first_step": {"rollout_s": rollout_s, "train_s": max(0.0, train_s)},
+            "cells": [{"time": e["time"] - origin, ROLLOUT: e[ROLLOUT], TRAINER: e[TRAINER]} for e in status["timeline"]],
+            "cell_moves": [{"cell": m["cell"], "to": m["to"], "time": m["applied"] - origin,
+                            **({"failed": m.get("error") or m.get("aborted")} if m.get("error") or m.get("aborted") else {})}
+                           for m in status["move_log"]],
+            "stalls": status["stalls"],
+            "engine_resolve_lag_emulated_s": statistics.mean([s.get("mean_resolve_lag_s", 0.0) for s in engines.values()] or [0.0]),
+        }
+
+
+def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=print, options: dict | None = None,
+            shares_per_group: int = 8) -> dict:
+    """One placement mode at one start split on a fresh cluster; the run's figures."""
+    return _Run(workload, mode_name, split, log, options, shares_per_group).run()
+
+
+# ---------------------------------------------------------------------------------------- the benchmark
+
+
+def _spread(values: list[float]) -> dict:
+    return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
+
+
+def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tuple[int, int]] | None = None,
+              log=print) -> dict:
+    """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""
     cells = workload.cells
-    out: dict = {"workload": workload.name, "cells": cells, "steps": workload.steps,
-                 "time_scale": workload.time_scale, "emulated": True, "modes": {}}
-    if "colocated" in modes:
-        log(f"colocated ({cells} cells, on-policy) ...")
-        out["modes"]["colocated"] = run_mode(workload, "colocated", cells, 0, log=log)
-    if "async" in modes:
-        tried = {}
-        for r, t in splits or default_splits(cells):
-            log(f"async {r}:{t} ...")
-            tried[f"{r}:{t}"] = run_mode(workload, "async", r, t, log=log)
-        best = min(tried.values(), key=lambda m: m["emulated_s"])
-        out["modes"]["async"] = best | {"splits": {k: v["emulated_s"] for k, v in tried.items()}}
-    if "elastic" in modes:
-        log("elastic ...")
-        out["modes"]["elastic"] = run_mode(workload, "elastic", cells - 1, 1, elastic_options, log=log)
-    lb = lower_bound(workload, staleness=workload.staleness, cells=cells)
+    candidates = splits or default_splits(cells)
+    runs: list[dict] = []
+    calibration: dict | None = None
+    best_two: list[tuple[int, int]] | None = None
+    for rep in range(repeats):
+        log(f"repeat {rep + 1}/{repeats}")
+        done: dict[tuple[str, tuple[int, int]], dict] = {}
+
+        def once(arm: str, split: tuple[int, int]) -> dict:
+            mode_name = ARM_MODE[arm]
+            key = (mode_name, split)
+            if key not in done:
+                log(f"{arm} ({mode_name} {split[0]}:{split[1]}) ...")
+                done[key] = run_arm(workload, mode_name, split, log)
+            out = done[key] | {"repeat": rep, "arm": arm}
+            runs.append(out)
+            return out
+
+        if "colocated" in arms:
+            colocated = once("colocated", (cells, 0))
+            calibration = calibration or colocated["first_step"]
+        elif calibration is None:  # the user's first step: one step on all cells, rollouts then training
+            log("calibration: the first step, colocated ...")
+            first = run_arm(_one_step(workload), "colocated", (cells, 0), log)
+            calibration = first["first_step"]
+        user = user_split(cells, calibration["rollout_s"], calibration["train_s"])
+        if "async_user" in arms:
+            once("async_user", user)
+        if "async_oracle" in arms:
+            tried = candidates if best_two is None else best_two
+            for split in tried:
+                once("async_oracle", split)
+            if best_two is None:
+                first = [x for x in runs if x["repeat"] == rep and x["arm"] == "async_oracle"]
+                best_two = [tuple(int(v) for v in x["split"].split(":")) for x in sorted(first, key=lambda x: x["emulated_s"])[:2]]
+        if "lend" in arms:
+            once("lend", user)
+        if "elastic" in arms:
+            once("elastic", user)
+    return summarise(workload, runs, repeats, candidates, calibration, log)
+
+
+def _one_step(workload: Workload) -> Workload:
+    import dataclasses
+
+    return dataclasses.replace(workload, steps=1, schedule=tuple(c for c in workload.schedule if c.from_step < 1),
+                               timeline=())
+
+
+def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, calibration: dict | None, log=print) -> dict:
+    """Spreads of every arm, the oracle split, both bounds, and each ratio's spread."""
+    lb = lower_bound(workload)
+    bb = batched_bound(workload)
+    out: dict = {"workload": workload.name, "workload_spec": workload.to_dict(), "git": _git_revision(),
+                 "repeats": repeats, "cells": workload.cells, "steps": workload.steps,
+                 "time_scale": workload.time_scale, "emulated": True,
+                 "options": {"timing": asdict(placement_timing(workload)[0]), "policy": placement_timing(workload)[1],
+                             "splits_tried": [f"{r}:{t}" for r, t in candidates]},
+                 "first_step": calibration, "runs": runs, "modes": {}}
+    by_arm: dict[str, dict[int, dict]] = {}
+    for x in runs:
+        if x["arm"] != "async_oracle":
+            by_arm.setdefault(x["arm"], {})[x["repeat"]] = x
+    oracle = [x for x in runs if x["arm"] == "async_oracle"]
+    if oracle:
+        per_split: dict[str, list[dict]] = {}
+        for x in oracle:
+            per_split.setdefault(x["split"], []).append(x)
+        full = {s: xs for s, xs in per_split.items() if len(xs) == repeats} or per_split
+        best = min(full, key=lambda s: statistics.mean(x["emulated_s"] for x in full[s]))
+        by_arm["async_oracle"] = {x["repeat"]: x for x in full[best]}
+        out["oracle_split"] = best
+        out["oracle_splits"] = {s: _spread([x["emulated_s"] for x in xs]) for s, xs in sorted(per_split.items())}
+    for arm, reps in by_arm.items():
+        xs = list(reps.values())
+        out["modes"][arm] = {"split": xs[0]["split"], "mode": xs[0]["mode"],
+                             **{k: _spread([x[k] for x in xs]) for k in ("emulated_s", "wall_s", "utilization", "moves",
+                                                                         "migrations")},
+                             "max_staleness": max(x["max_staleness"] for x in xs),
+                             "executions": xs[0]["executions"], "unique_executions": min(x["unique_executions"] for x in xs),
+                             "tokens": xs[0]["tokens"]}
     out["lower_bound_s"] = lb["lower_bound_s"]
     out["lower_bound"] = {k: v for k, v in lb.items() if isinstance(v, (int, float))}
-    m = out["modes"]
+    out["batched_bound_s"] = bb["batched_bound_s"]
     ratios = {}
-    if "elastic" in m:
-        e = m["elastic"]["emulated_s"]
-        if "async" in m:
-            ratios["elastic_vs_async"] = m["async"]["emulated_s"] / e
-        if "colocated" in m:
-            ratios["elastic_vs_colocated"] = m["colocated"]["emulated_s"] / e
-        ratios["elastic_vs_lower_bound"] = e / out["lower_bound_s"]
+    if "elastic" in by_arm:
+        el = by_arm["elastic"]
+        for name, arm in BASELINES.items():
+            if arm in by_arm:
+                common = sorted(set(el) & set(by_arm[arm]))
+                ratios[name] = _spread([by_arm[arm][r]["emulated_s"] / el[r]["emulated_s"] for r in common])
+        ratios["elastic_vs_lower_bound"] = _spread([x["emulated_s"] / lb["lower_bound_s"] for x in el.values()])
+        ratios["elastic_vs_batched_bound"] = _spread([x["emulated_s"] / bb["batched_bound_s"] for x in el.values()])
     out["ratios"] = ratios
     return out

@@ -42,7 +42,7 @@ async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
                 await asyncio.sleep(tool_s / time_scale)
     finally:
         await router.aclose()
-    return {"execution_id": spec.execution_id, "tokens": spec.tokens, "calls": spec.num_calls,
+    return {"execution_id": spec.execution_id, "step": spec.step, "tokens": spec.tokens, "calls": spec.num_calls,
             "min_version": min(versions) if versions else -1, "engines": sorted(engines),
             "reroutes": router.reroutes, "migrations": router.migrations, "start": t0, "end": time.time()}
 
@@ -54,15 +54,16 @@ def emulated_tree(result: dict) -> dict:
 
 def emulated_group(results: list[dict]) -> dict:
     return {"tokens": int(sum(r["tokens"] for r in results)), "min_version": min(r["min_version"] for r in results),
-            "executions": len(results)}
+            "executions": len(results), "step": results[0]["step"]}
 
 
 def emulated_gradient(group: dict, published: dict, j: int, shares: int, workload: Workload) -> dict:
-    """Share ``j`` of ``shares`` of one group's gradient work: ``t`` per trained token on this cell
-    (the group's tokens cut evenly, as sequence-parallel training of long paths would)."""
+    """Share ``j`` of ``shares`` of one group's gradient work: ``t`` (of the group's step) per trained
+    token on this cell (the group's tokens cut evenly, as sequence-parallel training of long paths
+    would)."""
     start = time.time()
     tokens = group["tokens"] // shares + (group["tokens"] % shares if j == 0 else 0)
-    time.sleep(workload.train_s_per_token * tokens / workload.time_scale)
+    time.sleep(workload.at(group["step"]).train_s_per_token * tokens / workload.time_scale)
     return {"tokens": tokens, "version": published["version"], "oldest": group["min_version"],
             "worker": get_worker().address, "start": start, "end": time.time()}
 

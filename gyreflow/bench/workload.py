@@ -1,8 +1,12 @@
 """Benchmark workloads: what the emulated placement benchmark runs, and its cost model.
 
-A :class:`Workload` is loaded from a JSON file (:func:`load_workload`; the shipped ones are
-``xlong-tail`` and ``flat``, see ``workloads.md``). All times are *emulated seconds*; a workload's
-``time_scale`` says how many of them pass per wall-clock second.
+A :class:`Workload` is loaded from a JSON file (:mod:`gyreflow.bench.workload_file`; the shipped
+ones and the format are documented in ``gyreflow/bench/workloads/README.md``). All times are
+*emulated seconds*; a workload's ``time_scale`` says how many of them pass per wall-clock second.
+
+A workload may shift: its ``schedule`` changes the execution distribution or the training share
+from a given step on (:meth:`Workload.at`), and its ``timeline`` has cells join and leave at given
+emulated times.
 
 Cost model (one cell = one engine replica or one trainer shard)
 
@@ -22,11 +26,8 @@ Executions are drawn deterministically from ``(seed, step, task, sample)``
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -186,6 +187,44 @@ def emulated_tokens_bytes(n: int, bytes_per_token: int) -> np.ndarray:
     return np.zeros(max(0, int(n)) * int(bytes_per_token), dtype=np.uint8)
 
 
+# ---------------------------------------------------------------------------------------- shifts
+
+
+@dataclass(frozen=True)
+class StepChange:
+    """From step ``from_step`` on, these fields of the workload take new values (``None``: kept)."""
+
+    from_step: int
+    tokens_per_execution: Distribution | None = None
+    tokens_per_call: int | None = None
+    tool_output_tokens: int | None = None
+    tool_latency: Distribution | None = None
+    tasks_per_step: int | None = None
+    samples_per_task: int | None = None
+    train_share: float | None = None
+    """The cost model's ``train_share`` (longer contexts cost more per trained token)."""
+
+    def changed(self) -> dict[str, Any]:
+        """The fields it sets."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "from_step" and getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class CellEvent:
+    """At emulated time ``at``, ``join`` new cells join the cluster and the cells named in
+    ``leave`` leave it (their live generations migrate first)."""
+
+    at: float
+    join: int = 0
+    leave: tuple[str, ...] = ()
+
+
+def cell_name(i: int) -> str:
+    """Name of the ``i``-th cell of a workload (``cell-0`` ...; joiners continue the count)."""
+    return f"cell-{i}"
+
+
 # ---------------------------------------------------------------------------------------- workload
 
 
@@ -222,6 +261,58 @@ class Workload:
     """Emulated seconds per wall-clock second."""
     seed: int
     """Seed of every execution's draws (with step, task and sample)."""
+    schedule: tuple[StepChange, ...] = ()
+    """Changes from given steps on, in step order."""
+    timeline: tuple[CellEvent, ...] = ()
+    """Cells joining and leaving, in time order."""
+
+    # -------------------------------------------------------------- shifts
+
+    def at(self, step: int) -> "Workload":
+        """The workload as it stands at ``step``: every change of the schedule up to it applied."""
+        fields: dict[str, Any] = {}
+        for change in self.schedule:
+            if change.from_step <= step:
+                fields.update(change.changed())
+        if not fields:
+            return self
+        share = fields.pop("train_share", None)
+        if share is not None:
+            fields["cost"] = dataclasses.replace(self.cost, train_share=share)
+        return dataclasses.replace(self, **fields)
+
+    @property
+    def max_cells(self) -> int:
+        """Cells that ever exist in the run (the initial ones and every joiner)."""
+        return self.cells + sum(e.join for e in self.timeline)
+
+    def cells_over_time(self) -> list[tuple[float, int]]:
+        """``(time, cells from then on)``, starting at 0."""
+        out, n = [(0.0, self.cells)], self.cells
+        for e in self.timeline:
+            n += e.join - len(e.leave)
+            out.append((e.at, n))
+        return out
+
+    def cell_seconds(self, until: float) -> float:
+        """Cell-seconds that exist from 0 to ``until``."""
+        points = self.cells_over_time() + [(math.inf, 0)]
+        total = 0.0
+        for (t0, n), (t1, _) in zip(points, points[1:]):
+            if t0 >= until:
+                break
+            total += n * (min(t1, until) - t0)
+        return total
+
+    def time_for(self, cell_seconds: float) -> float:
+        """The earliest time by which ``cell_seconds`` of cell time exist."""
+        points = self.cells_over_time() + [(math.inf, 0)]
+        done = 0.0
+        for (t0, n), (t1, _) in zip(points, points[1:]):
+            if n > 0 and done + n * (t1 - t0) >= cell_seconds:
+                return t0 + (cell_seconds - done) / n
+            done += n * (t1 - t0)
+        raise ValueError("the cluster ends with no cell: that much work never fits")
 
     # -------------------------------------------------------------- derived
 
@@ -280,7 +371,13 @@ class Workload:
     # -------------------------------------------------------------- executions
 
     def execution(self, step: int, task: int, sample: int) -> ExecutionSpec:
-        """The execution ``(step, task, sample)``: a pure function of it and ``seed``."""
+        """The execution ``(step, task, sample)``: a pure function of it, the step's distribution
+        and ``seed``."""
+        if self.schedule:
+            return self.at(step)._draw(step, task, sample)
+        return self._draw(step, task, sample)
+
+    def _draw(self, step: int, task: int, sample: int) -> ExecutionSpec:
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, step, task, sample]))
         tokens = max(1, int(round(float(self.tokens_per_execution.sample(rng, 1)[0]))))
         n = math.ceil(tokens / self.tokens_per_call)
@@ -299,12 +396,10 @@ class Workload:
         )
 
     def executions(self, step: int) -> list[ExecutionSpec]:
-        """Step ``step``'s executions, task-major (``tasks_per_step * samples_per_task`` of them)."""
-        return [
-            self.execution(step, task, sample)
-            for task in range(self.tasks_per_step)
-            for sample in range(self.samples_per_task)
-        ]
+        """Step ``step``'s executions, task-major (``tasks_per_step * samples_per_task`` of them, as
+        the schedule has them at that step)."""
+        w = self.at(step)
+        return [w._draw(step, task, sample) for task in range(w.tasks_per_step) for sample in range(w.samples_per_task)]
 
     def min_execution_s(self, spec: ExecutionSpec) -> float:
         """Shortest possible duration of an execution: alone on a cell, every prefix cached.
@@ -323,280 +418,14 @@ class Workload:
     # -------------------------------------------------------------- JSON
 
     def to_dict(self) -> dict:
-        """The JSON form (:func:`load_workload` reads it back)."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "cells": self.cells,
-            "steps": self.steps,
-            "staleness": self.staleness,
-            "tasks_per_step": self.tasks_per_step,
-            "samples_per_task": self.samples_per_task,
-            "tokens_per_execution": self.tokens_per_execution.to_dict(),
-            "tokens_per_call": self.tokens_per_call,
-            "tool_output_tokens": self.tool_output_tokens,
-            "tool_latency": self.tool_latency.to_dict(_LATENCY_SUFFIX),
-            "cost": dataclasses.asdict(self.cost),
-            "time_scale": self.time_scale,
-            "seed": self.seed,
-        }
+        """The JSON form (:func:`~gyreflow.bench.workload_file.load_workload` reads it back)."""
+        from gyreflow.bench.workload_file import workload_to_dict
+
+        return workload_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> "Workload":
         """Validate and build; every problem raises :class:`WorkloadError` naming ``source`` and the field."""
-        p = _Parser(source)
-        d = p.obj(data, "")
-        top = {
-            "name", "description", "cells", "steps", "staleness", "tasks_per_step", "samples_per_task",
-            "tokens_per_execution", "tokens_per_call", "tool_output_tokens", "tool_latency", "cost",
-            "time_scale", "seed",
-        }  # fmt: skip
-        p.no_unknown(d, top, "")
-        cost_d = p.obj(p.required(d, "cost", ""), "cost")
-        p.no_unknown(cost_d, {f.name for f in dataclasses.fields(Cost)}, "cost")
-        cost = Cost(
-            decode_b_s=p.num(cost_d, "decode_b_s", "cost", positive=True),
-            a_over_b=p.num(cost_d, "a_over_b", "cost", positive=False),
-            max_batch=p.integer(cost_d, "max_batch", "cost", positive=True),
-            prefill_s_per_token=p.num(cost_d, "prefill_s_per_token", "cost", positive=False),
-            train_share=p.num(cost_d, "train_share", "cost", positive=False),
-            step_fixed_s=p.num(cost_d, "step_fixed_s", "cost", positive=False),
-            kv_bytes_per_token=p.integer(cost_d, "kv_bytes_per_token", "cost", positive=True),
-            handoff_s=p.num(cost_d, "handoff_s", "cost", positive=False),
-        )
-        if not cost.train_share < 1.0:
-            p.fail("cost.train_share", f"must be below 1, got {cost.train_share}")
-        name = d.get("name", Path(source).stem if source.endswith(".json") else None)
-        if not isinstance(name, str) or not name:
-            p.fail("name", "must be a non-empty string")
-        description = d.get("description", "")
-        if not isinstance(description, str):
-            p.fail("description", "must be a string")
-        return cls(
-            name=name,
-            description=description,
-            cells=p.integer(d, "cells", "", positive=True),
-            steps=p.integer(d, "steps", "", positive=True),
-            staleness=p.integer(d, "staleness", "", positive=False),
-            tasks_per_step=p.integer(d, "tasks_per_step", "", positive=True),
-            samples_per_task=p.integer(d, "samples_per_task", "", positive=True),
-            tokens_per_execution=p.dist(p.required(d, "tokens_per_execution", ""), "tokens_per_execution", ""),
-            tokens_per_call=p.integer(d, "tokens_per_call", "", positive=True),
-            tool_output_tokens=p.integer(d, "tool_output_tokens", "", positive=False),
-            tool_latency=p.dist(p.required(d, "tool_latency", ""), "tool_latency", _LATENCY_SUFFIX),
-            cost=cost,
-            time_scale=p.num(d, "time_scale", "", positive=True),
-            seed=p.integer(d, "seed", "", positive=False),
-        )
+        from gyreflow.bench.workload_file import workload_from_dict
 
-
-_LATENCY_SUFFIX = "_full_batch_iterations"
-
-
-class _Parser:
-    """Typed field access that raises :class:`WorkloadError` naming the file and the field."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, field: str, why: str):
-        raise WorkloadError(f"{self.source}: field {field!r} {why}")
-
-    @staticmethod
-    def _path(prefix: str, key: str) -> str:
-        return f"{prefix}.{key}" if prefix else key
-
-    def obj(self, value: Any, where: str) -> dict:
-        if not isinstance(value, dict):
-            if not where:
-                raise WorkloadError(f"{self.source}: must hold a JSON object, got {type(value).__name__}")
-            self.fail(where, f"must be an object, got {type(value).__name__}")
-        return value
-
-    def required(self, d: dict, key: str, prefix: str) -> Any:
-        if key not in d:
-            self.fail(self._path(prefix, key), "is missing")
-        return d[key]
-
-    def no_unknown(self, d: dict, known: set[str], prefix: str) -> None:
-        unknown = sorted(set(d) - known)
-        if unknown:
-            self.fail(self._path(prefix, unknown[0]), f"is unknown (known: {', '.join(sorted(known))})")
-
-    def num(self, d: dict, key: str, prefix: str, *, positive: bool) -> float:
-        field = self._path(prefix, key)
-        v = self.required(d, key, prefix)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.fail(field, f"must be a number, got {type(v).__name__}")
-        v = float(v)
-        if not math.isfinite(v):
-            self.fail(field, f"must be finite, got {v}")
-        if positive and v <= 0:
-            self.fail(field, f"must be positive, got {v}")
-        if not positive and v < 0:
-            self.fail(field, f"must not be negative, got {v}")
-        return v
-
-    def integer(self, d: dict, key: str, prefix: str, *, positive: bool) -> int:
-        field = self._path(prefix, key)
-        v = self.required(d, key, prefix)
-        if isinstance(v, bool) or not isinstance(v, int):
-            self.fail(field, f"must be an integer, got {type(v).__name__}")
-        if positive and v <= 0:
-            self.fail(field, f"must be positive, got {v}")
-        if not positive and v < 0:
-            self.fail(field, f"must not be negative, got {v}")
-        return int(v)
-
-    def dist(self, value: Any, where: str, suffix: str) -> Distribution:
-        d = self.obj(value, where)
-        kind = self.required(d, "dist", where)
-        if kind not in _DISTS:
-            self.fail(f"{where}.dist", f"is an unknown distribution {kind!r} (known: {', '.join(_DISTS)})")
-        req, opt = _DISTS[kind]
-
-        def key(k: str) -> str:
-            return k if k == "sigma" else k + suffix
-
-        self.no_unknown(d, {"dist"} | {key(k) for k in req | opt}, where)
-        kw: dict[str, Any] = {"dist": kind}
-        for k in sorted(req):
-            kw[k] = self.num(d, key(k), where, positive=(k != "sigma"))
-        for k in sorted(opt):
-            if key(k) in d:
-                kw[k] = self.num(d, key(k), where, positive=True)
-        if kind == "uniform" and kw["high"] < kw["low"]:
-            self.fail(f"{where}.{key('high')}", f"must be at least {key('low')} ({kw['low']}), got {kw['high']}")
-        return Distribution(**kw)
-
-
-# ---------------------------------------------------------------------------------------- loading
-
-
-def _shipped_dir():
-    return resources.files("gyreflow.bench") / "workloads"
-
-
-def available_workloads() -> list[str]:
-    """Names of the workloads shipped with gyreflow."""
-    return sorted(p.name[: -len(".json")] for p in _shipped_dir().iterdir() if p.name.endswith(".json"))
-
-
-def load_workload(path_or_name: str | Path) -> Workload:
-    """Load a workload from a JSON file, or a shipped one by name (``"xlong-tail"``, ``"flat"``).
-
-    Raises
-    ------
-    WorkloadError
-        No such file or shipped name, not JSON, or a field that is missing, of the wrong type,
-        out of range, an unknown distribution or an unknown key; the message names the file and
-        the field.
-    """
-    text_source = str(path_or_name)
-    path = Path(path_or_name)
-    if path.is_file():
-        text = path.read_text(encoding="utf-8")
-    else:
-        looks_like_path = isinstance(path_or_name, Path) or text_source.endswith(".json") or "/" in text_source
-        shipped = _shipped_dir() / f"{text_source}.json"
-        if looks_like_path or not shipped.is_file():
-            raise WorkloadError(
-                f"{text_source}: no such workload file or shipped workload (shipped: {', '.join(available_workloads())})"
-            )
-        text = shipped.read_text(encoding="utf-8")
-        text_source = f"{text_source}.json"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise WorkloadError(f"{text_source}: not valid JSON: {err}") from None
-    return Workload.from_dict(data, source=text_source)
-
-
-# ---------------------------------------------------------------------------------------- lower bound
-
-
-def lower_bound(workload: Workload, *, staleness: int | None = None, cells: int | None = None) -> dict:
-    """A lower bound on the emulated wall time of any schedule of ``workload``.
-
-    ``lower_bound_s = max(total_work_s, critical_path_s)``; neither term can be beaten by a perfect
-    scheduler with free, instant migration.
-
-    total_work_s
-        All cell work divided by the cells. Rollout work of an execution at its cheapest (full
-        batches, every prefix cached): ``tokens * iteration_s(max_batch)/max_batch`` plus
-        ``c * new_prompt_tokens`` per call. Training per step: ``t * tokens_of_step`` plus
-        ``step_fixed_s`` (the fixed cost counted once per step, on one cell).
-    critical_path_s
-        The end ``E(steps-1)`` of the last update under the dependencies. With staleness ``s``,
-        ``F = step_fixed_s``, ``C = cells``, ``D_i`` the shortest duration of execution ``i`` (alone on
-        a cell: per call ``c * new tokens + tokens * iteration_s(1)``, plus its tool latencies,
-        :meth:`Workload.min_execution_s`), ``tok_i`` its tokens, ``W_k`` step k's rollout work and
-        ``T_k`` its tokens::
-
-            S(k) = E(k-1-s) if k-1-s >= 0 else 0      # step k's executions start no earlier
-            E(k) = F + max( E(k-1)                      # updates are sequential (E(-1) = 0)
-                          , S(k) + max_i (D_i + t*tok_i/C)   # an execution, then its gradients on
-                                                              # every cell at once
-                          , S(k) + (W_k + t*T_k)/C )     # all of step k's work, on every cell
-
-        Each term is a necessary condition: the optimizer's ``F`` follows every gradient of its step
-        and the previous update, gradients of an execution follow its end, and nothing of step k
-        starts before ``S(k)``. Work of other steps running meanwhile is ignored (which only
-        loosens the bound).
-
-    Parameters
-    ----------
-    staleness
-        Defaults to the workload's; ``colocated`` runs on-policy (0).
-    cells
-        Defaults to the workload's.
-
-    Returns
-    -------
-    dict
-        ``lower_bound_s``, ``critical_path_s``, ``total_work_s``, ``rollout_work_s`` and
-        ``train_work_s`` (cell-seconds, all steps), ``longest_execution_s`` (shortest possible
-        duration of the longest execution), ``step_end_s`` (``E(k)`` per step), ``staleness``,
-        ``cells``.
-    """
-    s = workload.staleness if staleness is None else int(staleness)
-    n_cells = workload.cells if cells is None else int(cells)
-    if s < 0 or n_cells < 1:
-        raise ValueError("staleness must be >= 0 and cells >= 1")
-    t = workload.train_s_per_token
-    fixed = workload.cost.step_fixed_s
-    ends: list[float] = []
-    rollout_total = train_total = 0.0
-    longest = 0.0
-    for k in range(workload.steps):
-        specs = workload.executions(k)
-        dur = np.array([workload.min_execution_s(e) for e in specs])
-        tok = np.array([e.tokens for e in specs], dtype=np.float64)
-        work = float(sum(workload.rollout_work_s(e) for e in specs))
-        tokens_k = float(tok.sum())
-        rollout_total += work
-        train_total += t * tokens_k + fixed
-        longest = max(longest, float(dur.max()))
-        start = ends[k - 1 - s] if k - 1 - s >= 0 else 0.0
-        prev = ends[k - 1] if k >= 1 else 0.0
-        ends.append(
-            fixed
-            + max(
-                prev,
-                start + float(np.max(dur + t * tok / n_cells)),
-                start + (work + t * tokens_k) / n_cells,
-            )
-        )
-    total_work = (rollout_total + train_total) / n_cells
-    critical = ends[-1]
-    return {
-        "lower_bound_s": max(total_work, critical),
-        "critical_path_s": critical,
-        "total_work_s": total_work,
-        "rollout_work_s": rollout_total,
-        "train_work_s": train_total,
-        "longest_execution_s": longest,
-        "step_end_s": ends,
-        "staleness": s,
-        "cells": n_cells,
-    }
+        return workload_from_dict(data, source)

@@ -15,12 +15,14 @@ from distributed.worker_state_machine import UnpauseEvent
 
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
+from gyreflow.faults import FAULTS, InjectedFault
 
 PLUGIN_NAME = "gyreflow-cell"
 
 
 class CellService(WorkerPlugin):
-    """Serves ``gyreflow_set_role(role)`` on every worker that can be a cell."""
+    """Serves ``gyreflow_set_role(role)`` on every worker that can be a cell, and
+    ``gyreflow_fault(point, times)`` (:mod:`gyreflow.faults`)."""
 
     name = PLUGIN_NAME
 
@@ -31,12 +33,27 @@ class CellService(WorkerPlugin):
     async def setup(self, worker) -> None:
         self.worker = worker
         worker.handlers["gyreflow_set_role"] = self.set_role
+        worker.handlers["gyreflow_fault"] = self.fault
 
-    async def set_role(self, role: str) -> dict:
-        """Serve ``role`` from now on; returns the time the change took."""
-        if role not in (ROLLOUT, TRAINER):
-            return {"error": f"unknown role {role!r}; a cell is {ROLLOUT!r} or {TRAINER!r}"}
+    def fault(self, point: str, times: int = 1, delay_s: float = 0.0) -> dict:
+        """Arm fault ``point`` of this worker for the next ``times`` passes (tests); 0 disarms it.
+        The reply says how often each point has fired here (``tripped``)."""
+        try:
+            FAULTS.arm(point, times, delay_s)
+        except ValueError as err:
+            return {"error": str(err)}
+        return {"armed": point, "times": times, "tripped": FAULTS.count()}
+
+    async def set_role(self, role: str | None) -> dict:
+        """Serve ``role`` from now on (``None``: neither pool, the cell is held out); returns the
+        time the change took."""
+        if role not in (ROLLOUT, TRAINER, None):
+            return {"error": f"unknown role {role!r}; a cell is {ROLLOUT!r} or {TRAINER!r} (or None: held out)"}
         t0 = time.perf_counter()
+        try:
+            await FAULTS.trip("set_role")
+        except InjectedFault as err:
+            return {"error": f"role change to {role!r} failed: {err}"}
         engine = self.worker.plugins.get(ENGINE_PLUGIN)
         if engine is not None and role != ROLLOUT:
             engine.accepting = False

@@ -9,8 +9,8 @@ and :func:`unregister` when it closes. :func:`register` adds, on the dashboard's
     training work, moves and migrations with the latest moves, placement mode, idle cell-seconds.
     It is listed in the dashboard's "More..." menu and links back to ``/status``.
 ``/gyreflow/state.json``
-    ``PoolsPlugin.state()`` plus ``history`` (the plugin's samples); ``?since=T`` returns only the
-    samples after time ``T``.
+    ``PoolsPlugin.status()`` (:class:`~gyreflow.cluster.status.PoolsStatus`) as JSON; ``?since=T``
+    keeps only the history samples after time ``T`` (plugin clock).
 ``/metrics``
     Dask's own endpoint; the ``gyreflow_*`` metrics of :mod:`gyreflow.cluster.metrics` join it.
 
@@ -143,7 +143,7 @@ def state(scheduler, since: float | None = None) -> dict:
     scheduler
         A scheduler given to :func:`register`.
     since
-        Only the history samples after this time (seconds since the epoch).
+        Only the history samples after this time (plugin clock seconds).
 
     Raises
     ------
@@ -153,11 +153,9 @@ def state(scheduler, since: float | None = None) -> dict:
     plugin = _plugins.get(scheduler)
     if plugin is None or not running(scheduler, plugin):
         raise LookupError("the gyreflow pools plugin is not running in this scheduler")
-    out = dict(plugin.state())
-    history = list(plugin.history)
+    out = plugin.status().to_dict()
     if since is not None:
-        history = [h for h in history if h.get("time", 0.0) > since]
-    out["history"] = history
+        out["history"] = [h for h in out["history"] if h.get("time", 0.0) > since]
     return out
 
 
@@ -504,6 +502,8 @@ function renderCards(s) {
     card("migrated", fmtBytes(s.migrated_bytes)),
     card("idle cell-seconds", fmtNum(s.idle_cell_seconds, 1), "cell-seconds with nothing to do"),
     card("model calls routed", fmtNum(s.routed)),
+    card("stalled executions", `<span class="${(s.stalls || []).length ? "bad" : ""}">${(s.stalls || []).length}</span>`,
+         (s.stalls || []).map(x => `${x.execution}: ${x.waits_on}`).join("\n") || "none"),
   ].join("");
 }
 
@@ -517,7 +517,7 @@ function renderMoves(log) {
     if (e.migrated) migrated = `${e.migrated} in ${fmtSeconds(e.migration_s || 0)}, ${fmtBytes(e.bytes || 0)}`;
     const outcome = e.error ? `<span class="bad" title="${esc(e.error)}">error</span>`
       : e.aborted ? `<span class="bad" title="${esc(e.aborted)}">aborted</span>` : "ok";
-    rows += `<tr><td>${e.applied ? fmtClock(e.applied) : "\u2013"}</td><td>${esc(shortAddr(e.cell))}</td>` +
+    rows += `<tr><td>${e.applied_wall ? fmtClock(e.applied_wall) : "\u2013"}</td><td>${esc(shortAddr(e.cell))}</td>` +
       `<td class="to-${esc(e.to)}">${esc(e.to)}</td><td>${fmtSeconds(latency)}</td><td>${migrated}</td>` +
       `<td>${outcome}</td><td class="reason">${esc(e.reason || "")}</td></tr>`;
   }
@@ -563,7 +563,7 @@ async function poll() {
     last = s;
     render(s);
     status.className = "status";
-    status.textContent = "updated " + fmtClock(s.time);
+    status.textContent = "updated " + fmtClock(s.wall);
   } catch (err) {
     status.className = "status err";
     status.textContent = "no data: " + err.message;

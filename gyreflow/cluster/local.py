@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import threading
 from dataclasses import dataclass
@@ -10,6 +11,9 @@ from dataclasses import dataclass
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from gyreflow.cluster.cell import CellService
+from gyreflow.cluster.clock import WALL, Clock
+from gyreflow.cluster.control import Timing
+from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.plugin import PoolsPlugin
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER, workers_by_pool
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
@@ -32,14 +36,17 @@ class PoolSpec:
     dashboard_address: str = "127.0.0.1:0"
     cell_threads: int = 2
     """Task threads per cell: one for a trainer task, one for weight publication and the like."""
+    held: int = 0
+    """Cells started outside both pools, to join them later (``gyreflow_join``)."""
 
 
 def local_cluster(spec: PoolSpec) -> SpecCluster:
-    """A cluster of worker processes with per-worker resources: one per rollout and trainer cell,
-    and one execution worker whose threads are the execution slots."""
+    """A cluster of worker processes with per-worker resources: one per rollout, trainer and held
+    cell (``cell-0``, ``cell-1``, ... in that order), and one execution worker whose threads are the
+    execution slots."""
     workers = {}
-    for i in range(spec.rollout + spec.trainer):
-        role = ROLLOUT if i < spec.rollout else TRAINER
+    for i in range(spec.rollout + spec.trainer + spec.held):
+        role = ROLLOUT if i < spec.rollout else TRAINER if i < spec.rollout + spec.trainer else None
         # Both keys on every cell: a role change sets one to 1 and the other to 0.
         res = {ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)}
         workers[f"cell-{i}"] = {"cls": Nanny, "options": {"nthreads": spec.cell_threads, "resources": res, "name": f"cell-{i}"}}
@@ -73,9 +80,10 @@ def cells_of(client: Client) -> dict[str, list[str]]:
     return workers_by_pool({addr: w.get("resources", {}) for addr, w in info["workers"].items()})
 
 
-def check_pools(client: Client, rollout: int = 1, trainer: int = 1, mode: str = "async") -> dict[str, list[str]]:
-    """The workers of each pool; refuses a cluster that cannot run ``mode`` with at least
-    ``rollout`` + ``trainer`` cells."""
+def check_pools(client: Client, rollout: int = 1, trainer: int = 1, mode: str = "async",
+                options: dict | None = None) -> dict[str, list[str]]:
+    """The workers of each pool; refuses a cluster that cannot run ``mode`` (with its ``options``)
+    with at least ``rollout`` + ``trainer`` cells."""
     pools = cells_of(client)
     if not pools[EXECUTION]:
         raise ClusterError(f"the cluster has no worker with resource '{EXECUTION}'; start one with --resources {EXECUTION}=N")
@@ -87,8 +95,12 @@ def check_pools(client: Client, rollout: int = 1, trainer: int = 1, mode: str = 
         )
     if not pools[ROLLOUT]:
         raise ClusterError(f"the cluster has no worker with resource '{ROLLOUT}': executions would have no engine")
-    if not pools[TRAINER] and mode != "colocated":
+    chosen = placement_mode(mode)
+    if len(pools[TRAINER]) < chosen.min_trainer_cells:
         raise ClusterError(f"the cluster has no worker with resource '{TRAINER}', which placement {mode!r} needs")
+    why = chosen.check(len(pools[ROLLOUT]), len(pools[TRAINER]), **(options or {}))
+    if why:
+        raise ClusterError(f"this cluster has {len(pools[ROLLOUT])} rollout and {len(pools[TRAINER])} trainer cells: {why}")
     return pools
 
 
@@ -115,10 +127,11 @@ def _check_engine_context(client: Client, engine_options: dict) -> None:
 
 
 def install(client: Client, torch_threads: int | None, engine_options: dict, mode: str = "async",
-            placement_options: dict | None = None, engine_factory=None) -> None:
+            placement_options: dict | None = None, engine_factory=None, clock: Clock = WALL,
+            timing: Timing | None = None) -> None:
     """Register gyreflow's scheduler and worker plugins, unless the cluster already has them (a
     second pipeline on the same cluster keeps the engines and trainer replicas it finds), and
-    set the placement mode."""
+    set the placement mode. ``clock`` and ``timing`` apply to a scheduler plugin installed now."""
     present = set(client.run_on_scheduler(_registered))
     engine = EngineService(engine_options, torch_threads) if engine_factory is None else \
         EngineService(engine_options, torch_threads, factory=engine_factory)
@@ -126,10 +139,11 @@ def install(client: Client, torch_threads: int | None, engine_options: dict, mod
 
     if engine.name in present:
         _check_engine_context(client, engine_options)
-    for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options),
+    for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options, clock, timing),
                    ProxyPlugin()):
         if plugin.name not in present:
             client.register_plugin(plugin)
-    out = client.sync(client.scheduler.gyreflow_placement, mode=mode, options=placement_options or {})
+    out = client.sync(client.scheduler.gyreflow_placement, mode=mode, options=placement_options or {},
+                      timing=dataclasses.asdict(timing) if timing else None)
     if "error" in out:
         raise ClusterError(f"placement {mode!r}: {out['error']}")

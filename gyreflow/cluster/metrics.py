@@ -19,6 +19,8 @@ name                                 type    meaning
 ``gyreflow_route_waiting``           gauge   model calls waiting for any rollout engine
 ``gyreflow_placement_mode{mode}``    gauge   1 for the current placement mode
 ``gyreflow_cell_moves_total``        counter cells moved between pools
+``gyreflow_cell_moves_failed_total`` counter moves that failed or were aborted
+``gyreflow_stalled_executions``      gauge   executions without progress past the stall limit
 ``gyreflow_migrations_total``        counter live generations migrated off leaving cells
 ``gyreflow_migrated_bytes_total``    counter bytes of KV cache and sampler state migrated
 ``gyreflow_idle_cell_seconds_total`` counter cell-seconds with nothing to do
@@ -62,6 +64,10 @@ def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         "route_waiting": g("gyreflow_route_waiting", "Model calls waiting for any rollout engine.", labels=["scheduler"]),
         "mode": g("gyreflow_placement_mode", "1 for the current placement mode.", labels=["scheduler", "mode"]),
         "moves": c("gyreflow_cell_moves", "Cells moved between pools.", labels=["scheduler"]),
+        "moves_failed": c("gyreflow_cell_moves_failed", "Moves that failed or were aborted (the cell kept a role it "
+                          "can serve).", labels=["scheduler"]),
+        "stalled": g("gyreflow_stalled_executions", "Executions without progress for longer than the stall limit.",
+                     labels=["scheduler"]),
         "migrations": c("gyreflow_migrations", "Live generations migrated off cells leaving the rollout pool.",
                         labels=["scheduler"]),
         "migrated_bytes": c("gyreflow_migrated_bytes", "Bytes of KV cache and sampler state migrated.",
@@ -79,41 +85,35 @@ def _address(scheduler) -> str:
         return f"scheduler-{id(scheduler):x}"
 
 
-def _waiting_trainer_tasks(scheduler) -> int:
-    return sum(1 for ts in list(getattr(scheduler, "unrunnable", ()))
-               if ts.resource_restrictions and TRAINER in ts.resource_restrictions)
-
-
 def _sample(families: dict, scheduler, plugin) -> None:
     """Add the samples of one plugin to ``families``."""
     # The collector may run on another scheduler's event loop thread (several schedulers in one
     # process): read everything first, retry if a dict changed under us, add only complete reads.
     for attempt in range(3):
         try:
-            state = plugin.state()
-            waiting = _waiting_trainer_tasks(scheduler)
-            route_waiting = int(getattr(plugin, "route_waiting", 0))
+            state = plugin.status()
             break
         except RuntimeError:  # "dictionary changed size during iteration"
             if attempt == 2:
                 raise
     addr = _address(scheduler)
-    pools = state.get("pools", {})
     for pool in (ROLLOUT, TRAINER):
-        families["cells"].add_metric([addr, pool], len(pools.get(pool, ())))
-    families["moving"].add_metric([addr], len(state.get("moving", ())))
-    for cell, n in sorted(state.get("sessions", {}).items()):
+        families["cells"].add_metric([addr, pool], len(state.pools.get(pool, ())))
+    families["moving"].add_metric([addr], len(state.moving))
+    for cell, n in sorted(state.sessions.items()):
         families["live"].add_metric([addr, cell], n)
-    for cell, n in sorted(state.get("train_tasks", {}).items()):
+    for cell, n in sorted(state.train_tasks.items()):
         families["train"].add_metric([addr, cell], n)
-    families["train_waiting"].add_metric([addr], waiting)
-    families["route_waiting"].add_metric([addr], route_waiting)
-    families["mode"].add_metric([addr, str(state.get("mode", ""))], 1)
-    families["moves"].add_metric([addr], state.get("moves", 0))
-    families["migrations"].add_metric([addr], state.get("migrations", 0))
-    families["migrated_bytes"].add_metric([addr], state.get("migrated_bytes", 0))
-    families["idle"].add_metric([addr], state.get("idle_cell_seconds", 0.0))
-    families["routed"].add_metric([addr], state.get("routed", 0))
+    families["train_waiting"].add_metric([addr], state.train_waiting)
+    families["route_waiting"].add_metric([addr], state.route_waiting)
+    families["mode"].add_metric([addr, state.mode], 1)
+    families["moves"].add_metric([addr], state.moves)
+    families["moves_failed"].add_metric([addr], state.moves_failed)
+    families["migrations"].add_metric([addr], state.migrations)
+    families["migrated_bytes"].add_metric([addr], state.migrated_bytes)
+    families["idle"].add_metric([addr], state.idle_cell_seconds)
+    families["routed"].add_metric([addr], state.routed)
+    families["stalled"].add_metric([addr], len(state.stalls))
 
 
 class PoolsCollector:

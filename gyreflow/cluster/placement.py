@@ -5,26 +5,17 @@ tick, asks the run's policy for :class:`Move` suggestions and applies them; the 
 acts, so every decision can be tested on crafted snapshots, and the same code decides for real and
 emulated cells alike (as the active memory manager's policies do in Dask).
 
-Modes (config ``cluster.placement``), one registry entry each:
-
-``colocated``
-    Every cell rolls out, then every cell trains, in turn.
-``async``
-    A fixed split: no cell ever moves.
-``elastic``
-    Cells move at run time: when the tail of the executions leaves rollout cells with little to
-    do and training work is ready, the live executions are consolidated onto fewer cells and the
-    freed cells train; when training work runs out they roll out again.
+Times in a snapshot and every time constant of a policy are seconds of the plugin's clock
+(:mod:`gyreflow.cluster.clock`). The placement modes that pair a policy with the rest of a mode's
+behaviour are in :mod:`gyreflow.cluster.modes`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gyreflow.algo.registry import Registry
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 
 
@@ -46,6 +37,8 @@ class Cell:
     moving: bool = False
     """A move of this cell is being applied (``role`` is the one it moves to); policies leave it
     alone."""
+    home: str | None = None
+    """The role the cell had when it joined (``lend`` gives lent cells back to it)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +53,9 @@ class PoolSnapshot:
     """Executions waiting for any engine (the rollout pool is empty)."""
     train_backlog_s: float = 0.0
     """Predicted seconds of the trainer tasks ready or running (from Dask's duration estimates)."""
+    train_rate: float = 0.0
+    """Training work arriving, in trainer cell-seconds per second (smoothed over the recent past):
+    the trainer cells that keep up with it."""
 
     def role(self, role: str) -> list[Cell]:
         return [c for c in self.cells if c.role == role]
@@ -93,9 +89,6 @@ class PlacementPolicy(Protocol):
         ...
 
 
-PLACEMENTS: Registry[Callable[..., PlacementPolicy]] = Registry("placement mode")
-
-
 @dataclass(frozen=True)
 class StaticPolicy:
     """``async``: the split the cluster started with, kept for the whole run."""
@@ -111,14 +104,14 @@ class ColocatedPolicy:
     """``colocated``: all cells roll out while any execution lives, then all train.
 
     A cell leaves training only once its trainer tasks are done; a cell leaves rollout only when
-    no execution is live anywhere (an execution between two calls still counts).
+    no execution is live anywhere (an execution between two calls still counts), so the phases
+    cannot flap and need no dwell time.
     """
 
-    dwell_s: float = 0.05
     name: str = "colocated"
 
     def decide(self, snap: PoolSnapshot) -> list[Move]:
-        free = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
+        free = [c for c in snap.cells if not c.moving]
         if snap.sessions > 0:
             return [Move(c.address, ROLLOUT, "executions live") for c in free
                     if c.role == TRAINER and c.train_tasks == 0]
@@ -128,78 +121,105 @@ class ColocatedPolicy:
 
 
 @dataclass(frozen=True)
-class ElasticPolicy:
-    """``elastic``: rollout cells for the live executions, every other cell for the ready training.
+class LendPolicy:
+    """``lend``: the reactive switch peer systems ship. Cells whose home is the trainer pool serve
+    rollout while there is no training work, and are all taken back as soon as there is; cells
+    whose home is rollout never train.
 
-    Rollout needs ``ceil(executions / consolidate_batch)`` cells. When training work is ready, cells
-    beyond that need move to the trainer pool, as many as the backlog can keep busy for
-    ``drain_s`` (each move costs a migration, so a short burst of work does not take a cell). A
-    trainer cell goes back as soon as rollout lacks capacity, or after ``idle_s`` without work
-    when rollout cells are crowded (more than ``spread_batch`` executions each: spreading them
-    makes every generation faster, decode being memory-bound).
+    Parameters
+    ----------
+    idle_s
+        A home trainer cell without work this long is lent to rollout (while executions live).
+    dwell_s
+        A cell keeps a new role at least this long.
+    """
+
+    idle_s: float = 1.0
+    dwell_s: float = 0.25
+    name: str = "lend"
+
+    def decide(self, snap: PoolSnapshot) -> list[Move]:
+        settled = [c for c in snap.cells if not c.moving and c.home == TRAINER and snap.time - c.since >= self.dwell_s]
+        if snap.train_work > 0:
+            return [Move(c.address, TRAINER, "training work arrived: lent cell taken back")
+                    for c in settled if c.role == ROLLOUT]
+        if snap.sessions > 0:
+            return [Move(c.address, ROLLOUT, "no training work: lent to rollout") for c in settled
+                    if c.role == TRAINER and c.train_tasks == 0 and c.idle_since is not None
+                    and snap.time - c.idle_since >= self.idle_s]
+        return []
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """``elastic``: as many trainer cells as the training work needs, every other cell rolls out.
+
+    The training work needs ``rate * (1 + headroom) + backlog / drain_s`` cells: enough to keep up
+    with the work arriving (``train_rate``, measured) and to clear what is ready within ``drain_s``.
+    A cell joins the trainer pool when that need exceeds the trainer cells by more than half a
+    cell (the rollout cells with the fewest live executions go first: the least to migrate), and
+    leaves it, once idle for ``idle_s``, when the need is a whole cell below them. Rollout keeps at
+    least ``min_rollout`` cells; a trainer cell without work also rolls out when rollout lacks
+    capacity (``consolidate_batch`` executions per cell) or is crowded (``spread_batch``), so that no
+    cell idles while executions could use it.
 
     Parameters
     ----------
     consolidate_batch
-        Live executions one rollout cell may hold when cells are taken for training.
+        Live executions one rollout cell holds at most before an idle trainer cell must help.
     drain_s
-        The backlog a cell taken for training should have at least (seconds of work per cell).
+        Time in which the ready training work should be cleared.
+    headroom
+        Trainer capacity kept above the measured rate of training work.
     spread_batch
-        Executions per rollout cell above which an idle trainer cell returns to rollout.
+        Executions per rollout cell above which an idle trainer cell (beyond the need) rolls out.
     min_rollout, min_trainer
-        Cells that always keep each role (a trainer cell ready for the first gradient share saves
-        a move on the critical path).
+        Cells that always keep each role.
     dwell_s
         A cell keeps a new role at least this long (no flapping).
     idle_s
-        A trainer cell without work this long may return to rollout.
+        A trainer cell without work this long may roll out.
     """
 
     consolidate_batch: int = 32
     drain_s: float = 1.0
+    headroom: float = 0.1
     spread_batch: int = 8
     min_rollout: int = 1
     min_trainer: int = 1
     dwell_s: float = 0.25
     idle_s: float = 1.0
-    rollout_first: bool = True
     name: str = "elastic"
+
+    def need(self, snap: PoolSnapshot) -> float:
+        """Trainer cells the training work needs now (fractional)."""
+        return snap.train_rate * (1 + self.headroom) + snap.train_backlog_s / self.drain_s
 
     def decide(self, snap: PoolSnapshot) -> list[Move]:
         rollout, trainer = snap.role(ROLLOUT), snap.role(TRAINER)
         n = len(snap.cells)
         sessions = snap.sessions
-        need_rollout = min(n - self.min_trainer, max(self.min_rollout, math.ceil(sessions / self.consolidate_batch)))
+        need = self.need(snap)
         settled = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
-        idle = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0), key=lambda c: c.address)
-        spare_trainers = len(trainer) - self.min_trainer
-        if need_rollout > len(rollout):
-            k = min(need_rollout - len(rollout), spare_trainers)
-            return [Move(c.address, ROLLOUT, f"{sessions} executions need {need_rollout} rollout cells")
-                    for c in idle[: max(0, k)]]
-        if snap.train_work > 0:
-            floor = need_rollout if self.rollout_first else self.min_rollout
-            want = min(n - floor, max(self.min_trainer, math.ceil(snap.train_backlog_s / self.drain_s)))
-            if want > len(trainer):
-                # The cells with the fewest live executions go: the least to migrate.
-                free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
-                k = min(want - len(trainer), len(rollout) - floor)
-                return [Move(c.address, TRAINER, f"{snap.train_backlog_s:.1f}s of training ready for "
-                             f"{len(trainer)} trainer cells, {sessions} executions live") for c in free[: max(0, k)]]
-            return []
-        crowded = rollout and sessions / len(rollout) > self.spread_batch
-        long_idle = [c for c in idle if c.idle_since is not None and snap.time - c.idle_since >= self.idle_s]
-        if crowded and long_idle and spare_trainers > 0:
-            return [Move(long_idle[0].address, ROLLOUT, f"no training ready; {sessions} executions on "
-                                                        f"{len(rollout)} rollout cells")]
+        idle = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0 and c.idle_since is not None
+                       and snap.time - c.idle_since >= self.idle_s), key=lambda c: c.address)
+        # Training short of cells: take rollout cells, least loaded first.
+        if snap.train_work > 0 and need > len(trainer) + 0.5 and len(rollout) > self.min_rollout:
+            k = min(math.ceil(need - len(trainer) - 0.5), len(rollout) - self.min_rollout, n - self.min_rollout - len(trainer))
+            free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
+            return [Move(c.address, TRAINER, f"training needs {need:.1f} cells ({snap.train_backlog_s:.0f}s ready, "
+                                             f"{snap.train_rate:.2f} cell-s/s arriving), {len(trainer)} train")
+                    for c in free[: max(0, k)]]
+        spare = len(trainer) - max(self.min_trainer, math.ceil(need)) if need < len(trainer) - 1 else 0
+        short = sessions > len(rollout) * self.consolidate_batch
+        crowded = sessions > len(rollout) * self.spread_batch
+        if idle and sessions > 0 and len(trainer) > self.min_trainer:
+            if short:  # executions wait for a batch slot: every idle trainer cell helps
+                k = min(len(idle), len(trainer) - self.min_trainer)
+                return [Move(c.address, ROLLOUT, f"{sessions} executions need more than {len(rollout)} rollout cells")
+                        for c in idle[:k]]
+            if spare > 0 and crowded:
+                return [Move(c.address, ROLLOUT, f"training needs {need:.1f} cells, {len(trainer)} train; "
+                                                 f"{sessions} executions on {len(rollout)} rollout cells")
+                        for c in idle[:spare]]
         return []
-
-
-PLACEMENTS.register("async")(StaticPolicy)
-PLACEMENTS.register("colocated")(ColocatedPolicy)
-PLACEMENTS.register("elastic")(ElasticPolicy)
-
-
-def make_policy(mode: str, **options) -> PlacementPolicy:
-    """The policy of placement ``mode`` (``PLACEMENTS`` names them)."""
-    return PLACEMENTS.get(mode)(**options)

@@ -29,3 +29,33 @@ def workers_by_pool(worker_resources: dict[str, dict[str, float]]) -> dict[str, 
             if res.get(pool, 0) > 0:
                 pools[pool].append(addr)
     return pools
+
+
+def role_of(resources: dict[str, float]) -> str | None:
+    """The cell role of a worker with ``resources``: ``rollout``, ``trainer`` or ``None`` (not a
+    cell now: an execution worker, or a cell held out of both pools)."""
+    if resources.get(ROLLOUT, 0) > 0:
+        return ROLLOUT
+    if resources.get(TRAINER, 0) > 0:
+        return TRAINER
+    return None
+
+
+def is_trainer_task(ts) -> bool:
+    """Whether a scheduler ``TaskState`` needs the ``trainer`` resource."""
+    return bool(ts.resource_restrictions) and TRAINER in ts.resource_restrictions
+
+
+def trainer_tasks(ws) -> list:
+    """Trainer tasks running on or queued for a scheduler ``WorkerState`` (``None``: none)."""
+    return [ts for ts in ws.processing if is_trainer_task(ts)] if ws is not None else []
+
+
+def cell_roles(scheduler) -> dict[str, str]:
+    """Cell address -> role, for the scheduler's workers that are in a pool now."""
+    out = {}
+    for addr, ws in list(scheduler.workers.items()):
+        role = role_of(ws.resources)
+        if role is not None:
+            out[addr] = role
+    return out

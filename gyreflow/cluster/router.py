@@ -6,10 +6,15 @@ A call survives the pools changing under it. A cell that left the rollout pool a
 mid-way is collected where it went (``moved``); and if the cell died while migrating it, the
 scheduler knows which cell imported it (``gyreflow_locate``), so it resumes from its last migrated
 token. Only a generation that never left a dead cell is sent again, with its own seed.
+
+No call waits without bound: while a call is out, the router asks its engine every ``probe_s``
+where the request stands. An engine that stops answering, or that no longer knows the request (and
+the scheduler does not know where it went), counts as lost: the call is sent again elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from distributed import get_worker
@@ -21,6 +26,10 @@ from gyreflow.engine.wire import msg_to_result, request_to_msg
 
 class RouteError(RuntimeError):
     """No engine could serve the call."""
+
+
+class LostRequest(OSError):
+    """The engine holding a call stopped answering for it."""
 
 
 class Router:
@@ -35,11 +44,15 @@ class Router:
     priority
         Admission priority of the session's calls at the engines (lower first); by default the
         execution's start time, so older executions go first.
+
+    probe_s
+        Wall seconds between two checks on a call that is still out.
     """
 
-    def __init__(self, session: str, attempts: int = 3, priority: float | None = None):
+    def __init__(self, session: str, attempts: int = 3, priority: float | None = None, probe_s: float = 20.0):
         self.session = session
         self.attempts = attempts
+        self.probe_s = probe_s
         self.priority = time.time() if priority is None else float(priority)
         self.worker = get_worker()
         self.engine: str | None = None
@@ -63,10 +76,12 @@ class Router:
                 self.engine = await self._route()
             try:
                 if pending is not None:
-                    out = await self.worker.rpc(pending[0]).gyreflow_resume(request_id=pending[1])
+                    out = await self._watched(pending[0], msg["request_id"],
+                                              self.worker.rpc(pending[0]).gyreflow_resume(request_id=pending[1]))
                 else:
-                    out = await self.worker.rpc(self.engine).gyreflow_generate(request=msg)
-            except OSError as err:  # the engine's worker went away
+                    out = await self._watched(self.engine, msg["request_id"],
+                                              self.worker.rpc(self.engine).gyreflow_generate(request=msg))
+            except OSError as err:  # the engine's worker went away, or lost the request
                 failures, last = failures + 1, err
                 if failures > self.attempts:
                     raise RouteError(f"no engine answered after {self.attempts} attempts: {last}") from None
@@ -81,7 +96,8 @@ class Router:
                 continue
             if out.get("reroute"):
                 self.reroutes += 1
-                await self.worker.scheduler.gyreflow_release(session=self.session)
+                await self.worker.scheduler.gyreflow_release(session=self.session,
+                                                             unready=self.engine if out.get("unready") else None)
                 self.engine = None
                 continue
             if "moved" in out:
@@ -93,6 +109,37 @@ class Router:
             if "error" in out:
                 raise RouteError(f"engine {pending[0] if pending else self.engine}: {out['error']}")
             return out
+
+    async def _watched(self, engine: str, request_id: str, call) -> dict:
+        """Await ``call`` (an RPC to ``engine`` for ``request_id``), checking on it every ``probe_s``.
+
+        Raises
+        ------
+        LostRequest
+            The engine stopped answering, or twice in a row did not know the request.
+        """
+        task = asyncio.ensure_future(call)
+        unknown = 0
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.probe_s)
+                if done:
+                    return task.result()
+                try:
+                    status = await asyncio.wait_for(
+                        self.worker.rpc(engine).gyreflow_request_status(request_id=request_id), timeout=self.probe_s)
+                except (OSError, asyncio.TimeoutError):
+                    raise LostRequest(f"engine {engine} stopped answering for {request_id}") from None
+                unknown = unknown + 1 if status.get("state") == "unknown" else 0
+                if unknown >= 2:
+                    try:  # it may still be running there unseen: nobody will collect it
+                        await asyncio.wait_for(self.worker.rpc(engine).gyreflow_abort(request_id=request_id), self.probe_s)
+                    except (OSError, asyncio.TimeoutError):
+                        pass
+                    raise LostRequest(f"engine {engine} lost request {request_id}")
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Serve one request from a coroutine (an ``async def`` Dask task)."""

@@ -5,8 +5,9 @@ over Dask comms:
 
 ``gyreflow_generate(request)``
     Run one request. The reply is the result, ``{"reroute": True}`` when the cell does not serve
-    the rollout pool now, or ``{"moved": address}`` when the request was migrated mid-way (the
-    caller then collects it with ``gyreflow_resume`` there).
+    the rollout pool now (``"unready"`` too when it has no weights yet: routing avoids it until it
+    announces ``gyreflow_ready``), or ``{"moved": address}`` when the request was migrated mid-way
+    (the caller then collects it with ``gyreflow_resume`` there).
 ``gyreflow_drain(destinations)``
     Stop taking requests and migrate every live and waiting request, KV cache and sampler state
     included, to ``destinations``; sent worker to worker, so UCX clusters move the KV by RDMA.
@@ -14,6 +15,13 @@ over Dask comms:
     The receiving side of a migration.
 ``gyreflow_engine_stats()``
     The engine's counters and occupancy.
+``gyreflow_activity()`` / ``gyreflow_request_status(request_id)``
+    Requests and their states, for the stall detector and for callers checking on a long call.
+``gyreflow_abort(request_id)``
+    Drop a request its caller gave up on.
+
+A migration never loses a request: whatever fails, each exported request ends up on a destination
+that confirmed it or back in this engine (:meth:`EngineService._migrate`).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from gyreflow.engine.base import RequestExported
 from gyreflow.engine.runner import EngineRunner
 from gyreflow.engine.wire import msg_to_request, msg_to_state, result_to_msg, state_nbytes, state_to_msg
+from gyreflow.faults import FAULTS
 
 PLUGIN_NAME = "gyreflow-engine"
 
@@ -74,19 +83,23 @@ class EngineService(WorkerPlugin):
         self.accepting = accepting
         self.runner: EngineRunner | None = None
         self.worker = None
-        self._ready: asyncio.Event | None = None
         self._moves: dict[str, asyncio.Future] = {}
         """request id -> where its migration took it, for the reply that waits on it here."""
         self._imported: dict[str, object] = {}
         self._session_of: dict[str, str | None] = {}
         self.evicted: set[str] = set()
         """Sessions whose next call must go elsewhere (the scheduler re-balanced them)."""
+        self._state: dict[str, tuple[str | None, str, float]] = {}
+        """request id -> (session, state, wall time it took that state)."""
+        self._seen: dict[str, float] = {}
+        """session -> wall time of its last event here."""
+        self._migrating: asyncio.Lock | None = None
         self.migrated_out = 0
         self.migrated_in = 0
 
     async def setup(self, worker) -> None:
         self.worker = worker
-        self._ready = asyncio.Event()
+        self._migrating = asyncio.Lock()
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if "rollout" in worker.state.total_resources:  # a cell: it serves while in the rollout pool
@@ -97,6 +110,9 @@ class EngineService(WorkerPlugin):
         worker.handlers["gyreflow_evict"] = self.evict
         worker.handlers["gyreflow_import"] = self.import_states
         worker.handlers["gyreflow_resume"] = self.resume
+        worker.handlers["gyreflow_activity"] = self.activity
+        worker.handlers["gyreflow_request_status"] = self.request_status
+        worker.handlers["gyreflow_abort"] = self.abort
 
     def teardown(self, worker) -> None:
         if self.runner is not None:
@@ -107,33 +123,49 @@ class EngineService(WorkerPlugin):
         if self.runner is None:
             engine = self.factory(hf_config, weights, version, self.worker.address, **self.engine_options)
             self.runner = EngineRunner(engine, name=f"engine-{self.worker.address}").start()
-            self.worker.loop.add_callback(self._ready.set)
+            self.worker.loop.add_callback(self._announce)
         else:
             self.runner.load_weights(weights, version)
         return {"engine": self.worker.address, "version": version}
 
-    async def _wait_ready(self) -> str | None:
-        if self.runner is None:
-            try:
-                await asyncio.wait_for(self._ready.wait(), timeout=60)
-            except asyncio.TimeoutError:
-                return "engine has no weights yet"
-        return None
+    async def _announce(self) -> None:
+        """Tell the scheduler this engine can serve now (it was routed around while it had no weights)."""
+        try:
+            await self.worker.scheduler.gyreflow_ready(engine=self.worker.address)
+        except Exception:  # no gyreflow scheduler plugin
+            pass
 
-    async def _outcome(self, rid: str, fut) -> dict:
+    def _note(self, rid: str, session: str | None, state: str | None) -> None:
+        """Where request ``rid`` stands here (``None``: it left), for stall reports."""
+        now = time.time()
+        if state is None:
+            self._state.pop(rid, None)
+        else:
+            self._state[rid] = (session, state, now)
+        if session is not None:
+            self._seen[session] = now
+
+    async def _outcome(self, rid: str, fut, session: str | None) -> dict:
         """The reply for a request whose engine future is ``fut``, following it if it moves."""
-        while True:
-            try:
-                res = await asyncio.wrap_future(fut)
-            except RequestExported:
-                dest = await self._moves.pop(rid)
-                if dest != self.worker.address:
-                    return {"moved": dest}
-                fut = self._imported.pop(rid)  # the migration failed; it went on here
-                continue
-            except Exception as err:
-                return {"error": f"{type(err).__name__}: {err}"}
-            return result_to_msg(res)
+        try:
+            while True:
+                self._note(rid, session, "in engine")
+                try:
+                    res = await asyncio.wrap_future(fut)
+                except RequestExported:
+                    self._note(rid, session, "exported")
+                    dest = await self._moves.pop(rid)
+                    if isinstance(dest, Exception):
+                        return {"error": f"{type(dest).__name__}: {dest}"}
+                    if dest != self.worker.address:
+                        return {"moved": dest}
+                    fut = self._imported.pop(rid)  # the migration failed; it went on here
+                    continue
+                except Exception as err:
+                    return {"error": f"{type(err).__name__}: {err}"}
+                return result_to_msg(res)
+        finally:
+            self._note(rid, session, None)
 
     async def generate(self, request: dict) -> dict:
         if not self.accepting:
@@ -141,8 +173,8 @@ class EngineService(WorkerPlugin):
         if request.get("session") in self.evicted:
             self.evicted.discard(request["session"])
             return {"reroute": True}
-        if (err := await self._wait_ready()) is not None:
-            return {"error": err}
+        if self.runner is None:  # no weights yet: the call goes elsewhere, and so do the next ones
+            return {"reroute": True, "unready": True}
         try:
             req = msg_to_request(request)
             fut = self.runner.submit(req)
@@ -150,7 +182,7 @@ class EngineService(WorkerPlugin):
             return {"error": f"{type(err).__name__}: {err}"}
         self._session_of[req.request_id] = req.session
         try:
-            return await self._outcome(req.request_id, fut)
+            return await self._outcome(req.request_id, fut, req.session)
         finally:
             self._session_of.pop(req.request_id, None)
 
@@ -159,37 +191,62 @@ class EngineService(WorkerPlugin):
         fut = self._imported.pop(request_id, None)
         if fut is None:
             return {"error": f"no imported request {request_id!r} on {self.worker.address}"}
-        return await self._outcome(request_id, fut)
+        session = self._state.get(request_id, (None,))[0]
+        return await self._outcome(request_id, fut, session)
 
     async def import_states(self, states: list[dict]) -> dict:
-        """Resume migrated requests here and tell the scheduler where they now live."""
-        if (err := await self._wait_ready()) is not None:
-            return {"error": err}
-        ids = []
-        for msg in states:
-            state = msg_to_state(msg)
-            self._imported[state.request_id] = self.runner.import_request(state)
-            ids.append(state.request_id)
-        self.migrated_in += len(ids)
+        """Resume migrated requests here, all or none, and tell the scheduler where they now live.
+
+        Refused while this cell does not take calls (it is draining, or not in the rollout pool):
+        the sender keeps them.
+        """
+        if not self.accepting:
+            return {"error": f"{self.worker.address} takes no generations now (not serving the rollout pool)"}
+        if self.runner is None:
+            return {"error": f"{self.worker.address} has no weights yet"}
+        done: list[str] = []
+        try:
+            for msg in states:
+                state = msg_to_state(msg)
+                self._imported[state.request_id] = self.runner.import_request(state)
+                done.append(state.request_id)
+                self._note(state.request_id, state.session, "imported")
+                await FAULTS.trip("during_import")
+                if not self.accepting:  # it started draining meanwhile: what it took so far would be stranded
+                    raise RuntimeError(f"{self.worker.address} started draining during the import")
+        except Exception as err:
+            for rid in done:  # roll back: the sender keeps every one of them
+                self._imported.pop(rid, None)
+                self._note(rid, None, None)
+                try:
+                    self.runner.export_request(rid)
+                except KeyError:
+                    pass
+            return {"error": f"import failed: {type(err).__name__}: {err}"}
+        self.migrated_in += len(done)
         try:  # lets a caller find its request if the source dies before replying
-            await self.worker.scheduler.gyreflow_imported(request_ids=ids, engine=self.worker.address)
+            await self.worker.scheduler.gyreflow_imported(request_ids=done, engine=self.worker.address)
         except Exception:  # no gyreflow scheduler plugin: only the reply can say where it went
             pass
-        return {"imported": ids}
+        return {"imported": done}
 
     async def drain(self, destinations: list[str], fail_after_send: bool = False) -> dict:
         """Stop serving and move every request in the engine to ``destinations`` (spread evenly).
 
-        A destination that fails is skipped; requests nobody took are imported back here and the
-        cell serves again, so nothing is lost. ``fail_after_send`` kills this worker's process once
-        the destinations hold the requests but before anyone is told: the failure a migration must
+        A destination that fails is skipped; requests nobody took go on here and the cell serves
+        again, so nothing is lost. ``fail_after_send`` kills this worker's process once the
+        destinations hold the requests but before anyone is told: the failure a migration must
         survive, used by the tests.
         """
         self.accepting = False
         if self.runner is None:
             return {"moved": {}, "kept": 0, "bytes": 0, "seconds": 0.0}
-        out = await self._migrate(self.runner.engine.request_ids(), destinations, fail_after_send)
-        if out["kept"]:
+        try:
+            out = await self._migrate(lambda: self.runner.engine.request_ids(), destinations, fail_after_send)
+        except Exception:
+            self.accepting = True
+            raise
+        if out["kept"] or out.get("error"):
             self.accepting = True
         return out
 
@@ -200,60 +257,116 @@ class EngineService(WorkerPlugin):
             return {"moved": {}, "kept": 0, "bytes": 0, "seconds": 0.0}
         chosen = set(sessions)
         self.evicted.update(chosen)
-        ids = [rid for rid, s in list(self._session_of.items()) if s in chosen]
-        for rid in ids:  # they follow their generation instead
-            self.evicted.discard(self._session_of.get(rid))
-        return await self._migrate(ids, destinations)
 
-    async def _migrate(self, ids: list[str], destinations: list[str], fail_after_send: bool = False) -> dict:
-        """Export requests ``ids`` and import them on ``destinations`` (round robin). A
-        destination that fails is skipped; requests nobody took go on here, so nothing is lost."""
-        t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        # Created before the export, so each request's waiting reply can follow it.
-        where = {rid: loop.create_future() for rid in ids}
-        self._moves.update(where)
-
-        def export_all() -> list:
-            out = []
-            for rid in ids:
-                try:
-                    out.append(self.runner.export_request(rid))
-                except KeyError:  # finished meanwhile
-                    pass
+        def ids() -> list[str]:
+            out = [rid for rid, s in list(self._session_of.items()) if s in chosen]
+            for rid in out:  # they follow their generation instead
+                self.evicted.discard(self._session_of.get(rid))
             return out
 
-        states = await loop.run_in_executor(None, export_all)
-        for rid in set(ids) - {st.request_id for st in states}:
-            del self._moves[rid], where[rid]
-        plan: dict[str, list] = {d: [] for d in destinations}
-        for i, state in enumerate(states):
-            if destinations:
-                plan[destinations[i % len(destinations)]].append(state)
-        moved: dict[str, str] = {}
-        leftover = [] if destinations else list(states)
+        return await self._migrate(ids, destinations)
 
-        async def send(dest: str, batch: list) -> None:
+    async def _migrate(self, which: Callable[[], list[str]], destinations: list[str],
+                       fail_after_send: bool = False) -> dict:
+        """Export the requests ``which()`` names and import them on ``destinations`` (round robin).
+
+        One migration at a time on a cell. Whatever fails (an export, a destination, a fault),
+        every exported request ends up either on a destination that confirmed it or back in this
+        engine, and the reply waiting for it is told which: none is left nowhere.
+        """
+        async with self._migrating:
+            t0 = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            ids = [rid for rid in which() if rid not in self._moves]
+            # Created before the export, so each request's waiting reply can follow it.
+            where = {rid: loop.create_future() for rid in ids}
+            self._moves.update(where)
+            states: list = []
+            moved: dict[str, str] = {}
+            error = None
+
+            def export_all() -> list:
+                out = []
+                for rid in ids:
+                    try:
+                        out.append(self.runner.export_request(rid))
+                    except KeyError:  # finished meanwhile
+                        pass
+                return out
+
             try:
-                out = await self.worker.rpc(dest).gyreflow_import(states=[state_to_msg(s) for s in batch])
-                if "error" in out:
-                    raise OSError(out["error"])
-                for s in batch:
-                    moved[s.request_id] = dest
-            except OSError:
-                leftover.extend(batch)
+                await FAULTS.trip("before_export")
+                states = await loop.run_in_executor(None, export_all)
+                exported = {st.request_id for st in states}
+                for rid in set(ids) - exported:  # they finished: their replies never wait on a move
+                    self._moves.pop(rid, None)
+                    where.pop(rid, None)
+                await FAULTS.trip("after_export")
+                plan: dict[str, list] = {d: [] for d in destinations}
+                for i, state in enumerate(states):
+                    if destinations:
+                        plan[destinations[i % len(destinations)]].append(state)
 
-        await asyncio.gather(*(send(d, b) for d, b in plan.items() if b))
-        if fail_after_send:
-            os._exit(17)
-        for s in leftover:  # nobody took them: they go on here
-            self._imported[s.request_id] = self.runner.import_request(s)
-            moved[s.request_id] = self.worker.address
-        for rid, dest in moved.items():
-            where[rid].set_result(dest)
-        self.migrated_out += len(moved) - len(leftover)
-        return {"moved": {r: d for r, d in moved.items() if d != self.worker.address}, "kept": len(leftover),
-                "bytes": int(sum(state_nbytes(s) for s in states)), "seconds": time.perf_counter() - t0}
+                async def send(dest: str, batch: list) -> None:
+                    try:
+                        out = await self.worker.rpc(dest).gyreflow_import(states=[state_to_msg(s) for s in batch])
+                    except OSError:
+                        return
+                    if "error" not in out:
+                        for s in batch:
+                            moved[s.request_id] = dest
+
+                await asyncio.gather(*(send(d, b) for d, b in plan.items() if b))
+                if fail_after_send:
+                    os._exit(17)
+                await FAULTS.trip("after_import")
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+            finally:
+                kept = self._keep([s for s in states if s.request_id not in moved])
+                for rid, fut in where.items():
+                    if not fut.done():
+                        fut.set_result(moved.get(rid, kept.get(rid, self.worker.address)))
+            self.migrated_out += len(moved)
+            out = {"moved": moved, "kept": len(kept), "bytes": int(sum(state_nbytes(s) for s in states)),
+                   "seconds": time.perf_counter() - t0}
+            return out | ({"error": error} if error else {})
+
+    def _keep(self, states: list) -> dict:
+        """Import ``states`` back into this engine (nobody took them); request id -> this address,
+        or the exception if even that failed (the reply then says so)."""
+        out: dict = {}
+        for s in states:
+            try:
+                self._imported[s.request_id] = self.runner.import_request(s)
+                out[s.request_id] = self.worker.address
+            except Exception as err:
+                out[s.request_id] = err
+        return out
+
+    def activity(self) -> dict:
+        """What this engine holds, for the scheduler's stall detector: tokens generated so far,
+        each request's state and age, and the seconds since each session's last event here."""
+        now = time.time()
+        tokens = int(self.runner.stats().get("tokens_generated", 0)) if self.runner is not None else 0
+        return {"tokens": tokens,
+                "requests": {rid: {"session": s, "state": st, "age": now - t} for rid, (s, st, t) in self._state.items()},
+                "idle": {s: now - t for s, t in self._seen.items()}}
+
+    def request_status(self, request_id: str) -> dict:
+        """Where one request stands here: ``in engine``, ``exported``, ``imported`` or ``unknown``."""
+        s = self._state.get(request_id)
+        return {"state": "unknown"} if s is None else {"state": s[1], "age": time.time() - s[2]}
+
+    def abort(self, request_id: str) -> dict:
+        """Drop a request its caller gave up on (it is run again elsewhere)."""
+        self._imported.pop(request_id, None)
+        if self.runner is not None:
+            try:
+                self.runner.export_request(request_id)
+            except KeyError:
+                return {"aborted": False}
+        return {"aborted": True}
 
     def stats(self) -> dict:
         base = self.runner.stats() if self.runner is not None else {"live": 0, "waiting": 0}

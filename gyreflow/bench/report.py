@@ -1,0 +1,73 @@
+"""The placement benchmark's figures as text: a terminal table, and the README's tables (generated
+from the benchmark's JSON, never typed in)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+RATIO_LABELS = {
+    "elastic_vs_async_user": "elastic vs async (user's split)",
+    "elastic_vs_async_oracle": "elastic vs async (best split, oracle)",
+    "elastic_vs_colocated": "elastic vs colocated",
+    "elastic_vs_lend": "elastic vs lend",
+    "elastic_vs_lower_bound": "elastic / lower bound",
+    "elastic_vs_batched_bound": "elastic / batching-aware bound",
+}
+
+
+def _pm(s: dict, fmt: str = ",.0f") -> str:
+    """``mean (min–max)``."""
+    return f"{s['mean']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+
+
+def format_placement(out: dict) -> str:
+    """The benchmark's figures for a terminal."""
+    lines = [f"\nworkload {out['workload']}: {out['repeats']} repeat(s), git {out['git']}",
+             f"{'arm':<13} {'split':>6} {'emulated s (min-max)':>30} {'wall s':>8} {'util':>5} {'moves':>6} {'migr':>6}"]
+    for arm, m in out["modes"].items():
+        lines.append(f"{arm:<13} {m['split']:>6} {_pm(m['emulated_s']):>30} {m['wall_s']['mean']:8.1f} "
+                     f"{m['utilization']['mean']:5.2f} {m['moves']['mean']:6.0f} {m['migrations']['mean']:6.0f}")
+    if out.get("oracle_splits"):
+        tried = ", ".join(f"{k}: {v['mean']:,.0f} s" for k, v in out["oracle_splits"].items())
+        lines.append(f"async splits tried (emulated, mean): {tried}; oracle {out['oracle_split']}")
+    if out.get("first_step"):
+        f = out["first_step"]
+        lines.append(f"user's first step: rollout {f['rollout_s']:,.0f} s, training {f['train_s']:,.0f} s")
+    lb = out["lower_bound"]
+    lines.append(f"lower bound: {out['lower_bound_s']:,.0f} s emulated (critical path {lb['critical_path_s']:,.0f} s, "
+                 f"total work {lb['total_work_s']:,.0f} s); batching-aware bound {out['batched_bound_s']:,.0f} s")
+    for k, v in out["ratios"].items():
+        lines.append(f"{k}: {v['mean']:.3f}x (min {v['min']:.3f}, max {v['max']:.3f})")
+    return "\n".join(lines)
+
+
+def markdown_tables(outs: list[dict]) -> str:
+    """The README's placement tables from benchmark JSONs (one per workload)."""
+    lines = ["| workload | arm | split | emulated s, mean (min–max) | wall s | utilization | moves | migrations |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for out in outs:
+        for arm, m in out["modes"].items():
+            lines.append(f"| {out['workload']} | {arm} | {m['split']} | {_pm(m['emulated_s'])} | {m['wall_s']['mean']:.0f} | "
+                         f"{m['utilization']['mean']:.2f} | {m['moves']['mean']:.0f} | {m['migrations']['mean']:.0f} |")
+    lines += ["", "| ratio | " + " | ".join(o["workload"] for o in outs) + " |",
+              "| --- | " + " | ".join("---:" for _ in outs) + " |"]
+    for key, label in RATIO_LABELS.items():
+        cells = [f"{o['ratios'][key]['mean']:.2f} ({o['ratios'][key]['min']:.2f}–{o['ratios'][key]['max']:.2f})"
+                 if key in o["ratios"] else "–" for o in outs]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "| bound (emulated s) | " + " | ".join(o["workload"] for o in outs) + " |",
+              "| --- | " + " | ".join("---:" for _ in outs) + " |",
+              "| lower bound | " + " | ".join(f"{o['lower_bound_s']:,.0f}" for o in outs) + " |",
+              "| batching-aware bound | " + " | ".join(f"{o['batched_bound_s']:,.0f}" for o in outs) + " |",
+              "| repeats, git | " + " | ".join(f"{o['repeats']}, `{o['git'][:12]}`" for o in outs) + " |"]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, markdown: str, marker: str = "placement-tables") -> None:
+    """Replace what stands between ``<!-- marker:start -->`` and ``<!-- marker:end -->`` in ``path``."""
+    text = Path(path).read_text()
+    pattern = re.compile(rf"(<!-- {marker}:start -->\n).*?(<!-- {marker}:end -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{path} has no <!-- {marker}:start --> ... <!-- {marker}:end --> section")
+    Path(path).write_text(pattern.sub(lambda m: m.group(1) + markdown + "\n" + m.group(2), text))

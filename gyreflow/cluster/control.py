@@ -1,0 +1,224 @@
+"""The control loop: every tick (and at once when trainer work or executions come and go) it builds
+a :class:`~gyreflow.cluster.placement.PoolSnapshot`, asks the placement policy for moves and hands
+them to the :class:`~gyreflow.cluster.moves.Mover`; it also re-balances sessions across engines,
+spreads queued trainer tasks and, every ``stall_check_s``, looks for stalled executions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from gyreflow.cluster.clock import Clock
+from gyreflow.cluster.moves import Mover
+from gyreflow.cluster.placement import Cell, Move, PlacementPolicy, PoolSnapshot
+from gyreflow.cluster.pools import ROLLOUT, TRAINER, cell_roles, is_trainer_task, trainer_tasks
+from gyreflow.cluster.routes import RouteTable
+from gyreflow.cluster.routing import RouteSnapshot, rebalance_sessions
+from gyreflow.cluster.stalls import EngineActivity, find_stalls
+from gyreflow.cluster.status import Books
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The control loop's time constants, in seconds of the plugin's clock."""
+
+    tick_s: float = 0.05
+    """Longest time between two policy ticks (events wake the loop earlier)."""
+    history_s: float = 0.25
+    """Time between two samples kept for the dashboard."""
+    rebalance_s: float = 0.25
+    """Time between two re-balancings of sessions across engines."""
+    stall_s: float = 300.0
+    """An execution without progress this long is named as stalled."""
+    stall_check_s: float = 10.0
+    """Time between two looks for stalled executions."""
+    rate_window_s: float = 30.0
+    """Time over which the rate of arriving training work is averaged (exponentially)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tick_s", "history_s", "rebalance_s", "stall_s", "stall_check_s", "rate_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class Controller:
+    """Decides (by the policy) and starts moves; keeps the books for the dashboard."""
+
+    def __init__(self, scheduler, policy: PlacementPolicy, routes: RouteTable, mover: Mover, books: Books,
+                 clock: Clock, timing: Timing) -> None:
+        self.scheduler, self.policy, self.routes, self.mover, self.books = scheduler, policy, routes, mover, books
+        self.clock, self.timing = clock, timing
+        self.home: dict[str, str] = {}
+        """Cell -> the role it had when it joined."""
+        self.idle_since: dict[str, float | None] = {}
+        self.stalls: list[dict] = []
+        self._reported: set[str] = set()
+        self._wake: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_rebalance = float("-inf")
+        self._last_stall_check = float("-inf")
+        self._tokens: dict[str, int] = {}
+        self._rate = 0.0
+        self._rate_at: tuple[float, float] | None = None
+        """(time, backlog) of the last rate update."""
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._spawn(self._loop())
+
+    def close(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+
+    def poke(self) -> None:
+        """Run a tick soon."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _loop(self) -> None:
+        while not self._closing:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.clock.to_wall(self.timing.tick_s))
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception:  # a bad tick must not stop placement for the rest of the run
+                log.exception("gyreflow placement tick failed")
+
+    # ------------------------------------------------------------------ state
+
+    def roles(self) -> dict[str, str]:
+        """Cell address -> role, for workers that hold a ``rollout`` or ``trainer`` resource."""
+        out = cell_roles(self.scheduler)
+        for addr, role in out.items():
+            self.home.setdefault(addr, role)
+        return out
+
+    def snapshot(self) -> PoolSnapshot:
+        now = self.clock.now()
+        load = self.routes.load()
+        cells = []
+        for addr, role in sorted(self.roles().items()):
+            n_train = len(trainer_tasks(self.scheduler.workers.get(addr)))
+            if role == TRAINER and n_train == 0:
+                self.idle_since[addr] = self.idle_since.get(addr) or now
+            else:
+                self.idle_since[addr] = None
+            self.mover.since.setdefault(addr, now)
+            cells.append(Cell(addr, self.mover.moving.get(addr, role), sessions=load.get(addr, 0) if role == ROLLOUT else 0,
+                              train_tasks=n_train, since=self.mover.since[addr], idle_since=self.idle_since[addr],
+                              moving=addr in self.mover.moving, home=self.home.get(addr)))
+        waiting = [ts for ts in self.scheduler.unrunnable if is_trainer_task(ts)]
+        ready = waiting + [ts for c in cells for ts in trainer_tasks(self.scheduler.workers.get(c.address))]
+        backlog = self.clock.from_wall(sum(self.scheduler._get_prefix_duration(ts.prefix) for ts in ready))
+        busy = sum(1 for c in cells if any(is_trainer_task(ts) for ts in self.scheduler.workers[c.address].executing))
+        return PoolSnapshot(time=now, cells=tuple(cells), train_waiting=len(waiting), route_waiting=self.routes.waiting,
+                            train_backlog_s=backlog, train_rate=self._arrival_rate(now, backlog, busy))
+
+    def _arrival_rate(self, now: float, backlog: float, busy: int) -> float:
+        """Training work arriving per second, averaged over ``rate_window_s``: what the backlog
+        grew by, plus what the busy trainer cells worked off meanwhile."""
+        if self._rate_at is None:
+            self._rate_at = (now, backlog)
+            return self._rate
+        t0, b0 = self._rate_at
+        dt = now - t0
+        if dt <= 0:
+            return self._rate
+        arrived = max(0.0, backlog - b0 + busy * dt)
+        w = 1.0 - math.exp(-dt / self.timing.rate_window_s)
+        self._rate += (arrived / dt - self._rate) * w
+        self._rate_at = (now, backlog)
+        return self._rate
+
+    # ------------------------------------------------------------------ the tick
+
+    def tick(self) -> list[Move]:
+        """One decision: snapshot, policy, start moves; books, re-balancing and stall checks."""
+        snap = self.snapshot()
+        idle = sum(1 for c in snap.cells if (c.role == ROLLOUT and c.sessions == 0) or (c.role == TRAINER and c.train_tasks == 0))
+        self.books.account(snap.time, idle, {
+            ROLLOUT: sum(c.role == ROLLOUT for c in snap.cells), TRAINER: sum(c.role == TRAINER for c in snap.cells),
+            "sessions": {c.address: c.sessions for c in snap.cells if c.role == ROLLOUT}, "train_queued": snap.train_work,
+        }, self.timing.history_s)
+        self.books.roles_changed(snap.time, time.time(), self.roles())
+        moves = [m for m in self.policy.decide(snap) if m.cell not in self.mover.moving]
+        for m in moves:
+            self.mover.moving[m.cell] = m.to  # out of routing and decisions from now on
+            self._spawn(self._apply(m, snap.time))
+        self.mover.spread()
+        if not self.mover.moving and snap.time - self._last_rebalance >= self.timing.rebalance_s:
+            self._last_rebalance = snap.time
+            self._rebalance_sessions()
+        if snap.time - self._last_stall_check >= self.timing.stall_check_s:
+            self._last_stall_check = snap.time
+            self._spawn(self.check_stalls())
+        return moves
+
+    async def _apply(self, move: Move, decided: float) -> None:
+        entry = await self.mover.apply(move, decided)
+        if not entry.get("error") and not entry.get("aborted"):
+            self.idle_since[move.cell] = None
+            self.poke()  # a failed move is retried at the next regular tick, not in a tight loop
+
+    def _rebalance_sessions(self) -> None:
+        """Move the youngest sessions of crowded engines to the emptiest (their generation in
+        flight migrates; their next call goes there)."""
+        plan = rebalance_sessions(RouteSnapshot(self.routes.engines(), self.routes.sessions), self.routes.priority)
+        by_pair: dict[tuple[str, str], list[str]] = {}
+        for session, src, dst in plan:
+            self.routes.sessions[session] = dst
+            by_pair.setdefault((src, dst), []).append(session)
+        for (src, dst), sessions in by_pair.items():
+            self._spawn(self.mover.evict(src, dst, sessions))
+
+    # ------------------------------------------------------------------ stalls
+
+    async def check_stalls(self) -> list[dict]:
+        """Ask every cell's engine what it holds; name the executions without progress."""
+        cells = list(self.roles())
+
+        async def ask(addr: str):
+            try:
+                return addr, await asyncio.wait_for(self.scheduler.rpc(addr).gyreflow_activity(), timeout=10)
+            except Exception:  # gone, or no engine there: it holds nothing
+                return addr, None
+
+        activities = []
+        for addr, out in await asyncio.gather(*(ask(a) for a in cells)):
+            if not out:
+                continue
+            advanced = out["tokens"] != self._tokens.get(addr)
+            self._tokens[addr] = out["tokens"]
+            activities.append(EngineActivity(addr, advanced, out["requests"], out["idle"]))
+        now = time.time()
+        live = {s: now - t for s, t in self.routes.routed_at.items()}
+        stall_wall = self.clock.to_wall(self.timing.stall_s)
+        found = find_stalls(live, activities, stall_wall, self.routes.waiting > 0)
+        for s in found:
+            s["seconds"] = self.clock.from_wall(s["seconds"])
+            if s["execution"] not in self._reported:
+                log.warning("gyreflow: execution %s has made no progress for %.0fs; it waits on %s",
+                            s["execution"], s["seconds"], s["waits_on"])
+                self.scheduler.log_event("gyreflow-stalls", s)
+        self._reported = {s["execution"] for s in found}
+        self.stalls = found
+        return found

@@ -1,0 +1,203 @@
+"""Carrying out moves: a cell changes pool, a cell leaves the cluster, sessions change engine.
+
+rollout -> trainer
+    The cell stops taking calls, its live and waiting generations migrate (KV cache and sampler
+    state) to the other rollout cells, then ``Worker.set_resources`` makes it a trainer; trainer
+    tasks waiting for a cell are scheduled and queued ones are stolen onto it.
+trainer -> rollout
+    Only a cell without trainer tasks; its engine takes calls again.
+retire
+    A cell leaving the cluster (spot capacity reclaimed, a host drained): its generations migrate,
+    it leaves both pools, then the scheduler retires the worker.
+
+A move that fails at any point leaves the cell in a role it can serve (a drained cell that cannot
+become a trainer takes calls again) and every generation where it was or where it went: the
+engines never drop an exported generation (:mod:`gyreflow.engine.service`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from gyreflow.cluster.clock import Clock
+from gyreflow.cluster.placement import Move
+from gyreflow.cluster.pools import ROLLOUT, TRAINER, trainer_tasks
+from gyreflow.cluster.routes import RouteTable
+from gyreflow.cluster.stealing import schedule_unrunnable, spread_trainer_tasks
+from gyreflow.cluster.status import Books
+
+log = logging.getLogger(__name__)
+
+
+class MoveFailed(RuntimeError):
+    """A step of a move failed; the cell was put back in a role it can serve."""
+
+
+class Mover:
+    """Applies moves for the scheduler plugin; every cell being moved is in :attr:`moving`.
+
+    Parameters
+    ----------
+    scheduler
+        The Dask scheduler.
+    routes
+        The route table (sessions of a drained cell are re-routed; migrated requests located).
+    books
+        Counters and the move log.
+    roles
+        Cell address -> role now (from the workers' resources).
+    clock
+        The plugin's clock (moves are stamped with it).
+    """
+
+    def __init__(self, scheduler, routes: RouteTable, books: Books, roles: Callable[[], dict[str, str]],
+                 clock: Clock) -> None:
+        self.scheduler, self.routes, self.books, self.roles, self.clock = scheduler, routes, books, roles, clock
+        self.moving: dict[str, str] = {}
+        """Cell -> the role it is moving to (``"gone"`` for a retiring cell)."""
+        self.since: dict[str, float] = {}
+        """Cell -> clock time it took its role (or a move of it last ended)."""
+
+    def engines(self) -> tuple[str, ...]:
+        """Rollout cells that take calls now."""
+        return tuple(a for a, r in sorted(self.roles().items()) if r == ROLLOUT and a not in self.moving)
+
+    def trainers(self) -> list[str]:
+        return [a for a, r in self.roles().items() if r == TRAINER and a not in self.moving]
+
+    def spread(self) -> None:
+        spread_trainer_tasks(self.scheduler, self.roles(), self.trainers())
+
+    async def apply(self, move: Move, decided: float | None = None) -> dict:
+        """Carry out ``move``; the log entry (``error`` or ``aborted`` when it did not happen)."""
+        decided = self.clock.now() if decided is None else decided
+        if move.cell in self.moving and self.moving[move.cell] != move.to:
+            return {"cell": move.cell, "to": move.to, "aborted": "another move of the cell is under way"}
+        self.moving[move.cell] = move.to
+        entry = {"cell": move.cell, "to": move.to, "reason": move.reason, "decided": decided,
+                 "decided_wall": time.time()}
+        try:
+            if self.roles().get(move.cell) == move.to:
+                entry["aborted"] = f"the cell is a {move.to} cell already"
+            elif move.to == TRAINER:
+                entry |= await self._to_trainer(move.cell)
+            elif move.to == ROLLOUT:
+                entry |= await self._to_rollout(move.cell)
+            else:
+                entry["aborted"] = f"unknown role {move.to!r}"
+        except Exception as err:  # a cell that died or refused keeps (or loses) its role; logged
+            entry["error"] = f"{type(err).__name__}: {err}"
+        finally:
+            self.moving.pop(move.cell, None)
+        entry["applied"] = self.clock.now()
+        entry["applied_wall"] = time.time()
+        self.since[move.cell] = entry["applied"]  # an aborted move also waits a dwell before the next try
+        self.books.move(entry)
+        self.books.roles_changed(entry["applied"], entry["applied_wall"], self.roles())
+        self.scheduler.log_event("gyreflow-moves", entry)
+        await self.routes.engines_changed()
+        return entry
+
+    def _destinations(self, addr: str) -> list[str]:
+        """Engines to migrate ``addr``'s generations to, each once per session it has fewer than the
+        busiest (spread by spare room)."""
+        load = {a: 0 for a in self.routes.engines() if a != addr}
+        for e in self.routes.sessions.values():
+            if e in load:
+                load[e] += 1
+        top = max(load.values(), default=0)
+        return [a for a in sorted(load, key=lambda a: load[a]) for _ in range(top - load[a] + 1)]
+
+    async def drain(self, addr: str) -> dict:
+        """Migrate every generation of ``addr`` to the other engines; the figures of the drain.
+
+        Raises
+        ------
+        MoveFailed
+            Some generations could not move (they go on at ``addr``, which takes calls again).
+        """
+        destinations = self._destinations(addr)
+        t0 = time.time()
+        out = await self.scheduler.rpc(addr).gyreflow_drain(destinations=destinations)
+        if "error" in out:
+            raise MoveFailed(out["error"])
+        self.routes.moved(out.get("moved", {}))
+        self.books.migrated(len(out.get("moved", {})), int(out.get("bytes", 0)))
+        if out.get("kept"):
+            raise MoveFailed(f"{out['kept']} generations could not move"
+                             + ("" if destinations else " (no other rollout cell)"))
+        self.routes.forget_engine(addr)  # re-routed at their next call (or where their generation went)
+        return {"migrated": len(out.get("moved", {})), "migration_s": out.get("seconds", 0.0),
+                "drain_s": time.time() - t0, "bytes": out.get("bytes", 0)}
+
+    async def _set_role(self, addr: str, role: str) -> None:
+        out = await self.scheduler.rpc(addr).gyreflow_set_role(role=role)
+        if "error" in out:
+            raise MoveFailed(out["error"])
+
+    async def _serve_again(self, addr: str) -> None:
+        """Put a drained rollout cell back to taking calls (a move of it failed half-way)."""
+        try:
+            await self._set_role(addr, ROLLOUT)
+        except Exception:  # it died: the scheduler's remove_worker cleans up
+            log.warning("gyreflow: cell %s could not take calls again after a failed move", addr, exc_info=True)
+
+    async def _to_trainer(self, addr: str) -> dict:
+        try:
+            out = await self.drain(addr)
+            t1 = time.time()
+            await self._set_role(addr, TRAINER)
+        except MoveFailed as err:
+            await self._serve_again(addr)
+            return {"aborted": str(err)}
+        except Exception:
+            await self._serve_again(addr)
+            raise
+        schedule_unrunnable(self.scheduler, addr)
+        self.spread()  # queued shares elsewhere come over now, not at the next tick
+        return out | {"role_s": time.time() - t1}
+
+    async def _to_rollout(self, addr: str) -> dict:
+        if trainer_tasks(self.scheduler.workers.get(addr)):
+            return {"aborted": "trainer tasks on the cell"}
+        await self._set_role(addr, ROLLOUT)
+        return {}
+
+    async def retire(self, addr: str) -> dict:
+        """Take ``addr`` out of the cluster without losing what it runs: its generations migrate,
+        it leaves both pools (trainer tasks on it run again elsewhere), then Dask retires it."""
+        self.moving[addr] = "gone"
+        entry = {"cell": addr, "to": "gone", "reason": "the cell leaves the cluster", "decided": self.clock.now()}
+        try:
+            if self.roles().get(addr) == ROLLOUT:
+                entry |= await self.drain(addr)
+            await self.scheduler.rpc(addr).gyreflow_set_role(role=None)
+            self.routes.forget_engine(addr)
+            await self.scheduler.retire_workers(workers=[addr], close_workers=True, remove=True,
+                                                stimulus_id=f"gyreflow-retire-{time.time()}")
+        except Exception as err:
+            entry["error"] = f"{type(err).__name__}: {err}"
+            if self.roles().get(addr) is None and addr in self.scheduler.workers:
+                await self._serve_again(addr)
+        finally:
+            self.moving.pop(addr, None)
+        entry["applied"] = self.clock.now()
+        self.books.move_log.append(entry)
+        self.books.roles_changed(entry["applied"], time.time(), self.roles())
+        await self.routes.engines_changed()
+        return entry
+
+    async def evict(self, src: str, dst: str, sessions: list[str]) -> None:
+        """Move ``sessions`` from engine ``src`` to ``dst`` (session re-balancing): their generations
+        in flight migrate, their next call here is answered ``reroute``."""
+        try:
+            out = await self.scheduler.rpc(src).gyreflow_evict(sessions=sessions, destinations=[dst])
+        except OSError:  # the engine left; its sessions are re-routed at their next call anyway
+            return
+        if "error" in out:
+            return
+        self.routes.moved(out.get("moved", {}))
+        self.books.rebalanced_sessions += len(sessions)
+        self.books.migrated(len(out.get("moved", {})), int(out.get("bytes", 0)))
