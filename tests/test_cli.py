@@ -15,15 +15,31 @@ def run_cli(*args, cwd=None, timeout=120):
     return subprocess.run([*GYREFLOW, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+class Result:
+    def __init__(self, code: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = code, stdout, stderr
+
+
+def invoke(*args) -> Result:
+    """The command line in this process (click's runner): what a shell would see, without paying a
+    fresh interpreter's imports for every refusal."""
+    from click.testing import CliRunner
+
+    from gyreflow.cli import main
+
+    r = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return Result(r.exit_code, r.stdout, r.stderr)
+
+
 def test_invalid_config_names_field_and_allowed_values(tmp_path):
     out = tmp_path / "run"
-    p = run_cli("run", "--out", str(out), "--set", "rl.loss=dpo")
+    p = invoke("run", "--out", str(out), "--set", "rl.loss=dpo")
     assert p.returncode == 2
     assert "rl.loss" in p.stderr and "ppo_clip" in p.stderr and "reinforce" in p.stderr
     assert not out.exists()
-    p = run_cli("run", "--out", str(out), "--set", "task.horizon=zero")
+    p = invoke("run", "--out", str(out), "--set", "task.horizon=zero")
     assert p.returncode == 2 and "task.horizon must be an integer" in p.stderr
-    p = run_cli("run", "--out", str(out), "--set", "rl.bogus=1")
+    p = invoke("run", "--out", str(out), "--set", "rl.bogus=1")
     assert p.returncode == 2 and "unknown field rl.bogus" in p.stderr and "staleness" in p.stderr
     assert not out.exists()
 
@@ -31,24 +47,24 @@ def test_invalid_config_names_field_and_allowed_values(tmp_path):
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "cfg.json"
     bad.write_text("{not json")
-    p = run_cli("run", "--out", str(tmp_path / "run"), "--config", str(bad))
+    p = invoke("run", "--out", str(tmp_path / "run"), "--config", str(bad))
     assert p.returncode == 2 and "not valid JSON" in p.stderr
     bad.write_text(json.dumps({"rl": {"samples_per_task": 1}}))
-    p = run_cli("run", "--out", str(tmp_path / "run"), "--config", str(bad))
+    p = invoke("run", "--out", str(tmp_path / "run"), "--config", str(bad))
     assert p.returncode == 2 and "rl.samples_per_task must be >= 2" in p.stderr
-    p = run_cli("run", "--out", str(tmp_path / "run"), "--config", str(tmp_path / "missing.json"))
+    p = invoke("run", "--out", str(tmp_path / "run"), "--config", str(tmp_path / "missing.json"))
     assert p.returncode == 2 and "does not exist" in p.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_unknown_pipeline_lists_available(tmp_path):
-    p = run_cli("run", "--pipeline", "nope", "--out", str(tmp_path / "run"))
+    p = invoke("run", "--pipeline", "nope", "--out", str(tmp_path / "run"))
     assert p.returncode == 2 and "unknown pipeline 'nope'" in p.stderr and "grpo" in p.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_scheduler_that_does_not_answer(tmp_path):
-    p = run_cli("run", "--scheduler", "tcp://127.0.0.1:9", "--out", str(tmp_path / "run"))
+    p = invoke("run", "--scheduler", "tcp://127.0.0.1:9", "--out", str(tmp_path / "run"))
     assert p.returncode != 0
     assert "no Dask scheduler answered at tcp://127.0.0.1:9" in (p.stdout + p.stderr)
     assert not (tmp_path / "run").exists()
@@ -58,13 +74,13 @@ def test_existing_run_directory_is_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "report.json").write_text("{}")
-    p = run_cli("run", "--out", str(out))
+    p = invoke("run", "--out", str(out))
     assert p.returncode == 2 and "already exists" in p.stderr
     assert (out / "report.json").read_text() == "{}"
 
 
 def test_inspect_missing_run_directory(tmp_path):
-    p = run_cli("inspect", str(tmp_path / "nope"))
+    p = invoke("inspect", str(tmp_path / "nope"))
     assert p.returncode == 2 and "does not exist" in p.stderr
 
 
@@ -106,9 +122,9 @@ def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
 
 def test_pool_configs_that_cannot_work_are_refused(tmp_path):
     out = tmp_path / "run"
-    p = run_cli("run", "--out", str(out), "--set", "cluster.placement=sometimes")
+    p = invoke("run", "--out", str(out), "--set", "cluster.placement=sometimes")
     assert p.returncode == 2 and "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic, lend" in p.stderr
-    p = run_cli("run", "--out", str(out), "--set", "cluster.rollout_workers=0")
+    p = invoke("run", "--out", str(out), "--set", "cluster.rollout_workers=0")
     assert p.returncode == 2 and "cluster.rollout_workers must be >= 1" in p.stderr
     assert not out.exists()
 
@@ -127,15 +143,15 @@ def test_more_cells_than_the_cluster_has_is_refused(tmp_path):
 
 
 def test_bench_placement_bad_input(tmp_path):
-    p = run_cli("bench", "placement", "--modes", "elastic,fast")
+    p = invoke("bench", "placement", "--modes", "elastic,fast")
     assert p.returncode == 2 and "unknown mode(s) 'fast'" in p.stderr
-    p = run_cli("bench", "placement", "--repeats", "0")
+    p = invoke("bench", "placement", "--repeats", "0")
     assert p.returncode == 2 and "--repeats" in p.stderr
-    p = run_cli("bench", "placement", "--workload", str(tmp_path / "none.json"))
+    p = invoke("bench", "placement", "--workload", str(tmp_path / "none.json"))
     assert p.returncode == 2 and "none.json" in p.stderr
-    p = run_cli("bench", "placement", "--split", "9:9")
+    p = invoke("bench", "placement", "--split", "9:9")
     assert p.returncode == 2 and "sum to the workload's 8 cells" in p.stderr
     bad = tmp_path / "w.json"
     bad.write_text(json.dumps({"name": "w"}))
-    p = run_cli("bench", "placement", "--workload", str(bad))
+    p = invoke("bench", "placement", "--workload", str(bad))
     assert p.returncode == 2 and "w.json" in p.stderr

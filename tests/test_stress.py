@@ -194,3 +194,38 @@ def test_a_cell_leaving_mid_run_loses_no_execution(client):
     gone = set(before) - set(after)
     assert victim_name in gone or all(a != victim for a in cells(client).values())
     assert finished_calls({n: before[n] for n in survivors}, survivors) <= sum(s.num_calls for s in specs)
+
+
+def test_stalled_executions_are_named_with_what_they_wait_on(client):
+    """An execution whose generation is held mid-migration, and one busy in its own tool, are named
+    once their silence passes the stall limit; both clear when they move on."""
+    publish_all(client)
+    status = client.sync(client.scheduler.gyreflow_pools)
+    assert len(status["pools"][ROLLOUT]) >= 2
+    timing = {"tick_s": 0.5, "rebalance_s": 1e9, "stall_s": 0.5 * SCALE, "stall_check_s": 1e9}
+    assert client.sync(client.scheduler.gyreflow_placement, mode="async", timing=timing) == {"mode": "async"}
+    try:
+        long_call = WORKLOAD.execution(0, 0, 0)
+        long_call = type(long_call)(**{**long_call.__dict__, "execution_id": "held", "calls": ((20000, 0.0),)})
+        tool = type(long_call)(**{**long_call.__dict__, "execution_id": "in-tool", "calls": ((10, 3.0 * SCALE), (10, 0.0))})
+        futs = [client.submit(emulated_execution, spec, SCALE, key=f"stall-{spec.execution_id}",
+                              resources={EXECUTION: 1}, pure=False) for spec in (long_call, tool)]
+        src = wait_for(lambda: client.sync(client.scheduler.gyreflow_where, session="held")["engine"],
+                       what="the long call routed")
+        # Hold the long call's generation half-way through a move, exported, for 3 s.
+        client.sync(client.scheduler.gyreflow_fault, cell=src, point="after_export", times=1, delay_s=3.0)
+        mover = threading.Thread(target=lambda: client.sync(client.scheduler.gyreflow_move, cell=src, to=TRAINER))
+        mover.start()
+        time.sleep(1.5)
+        stalls = {s["execution"]: s for s in client.sync(client.scheduler.gyreflow_stalls)}
+        assert "exported" in stalls["held"]["waits_on"] and src in stalls["held"]["waits_on"]
+        assert stalls["in-tool"]["waits_on"] == "its agent or a tool (no model call in flight)"
+        assert stalls["held"]["seconds"] >= timing["stall_s"]
+        status = client.sync(client.scheduler.gyreflow_pools)
+        assert {s["execution"] for s in status["stalls"]} == {"held", "in-tool"}  # what the dashboard shows
+        mover.join(timeout=60)
+        assert [f.result(timeout=60)["execution_id"] for f in futs] == ["held", "in-tool"]
+        assert not client.sync(client.scheduler.gyreflow_stalls)
+    finally:
+        client.sync(client.scheduler.gyreflow_placement, mode="async",
+                    timing={"tick_s": 0.5, "rebalance_s": 0.5, "stall_s": 600, "stall_check_s": 50})

@@ -57,6 +57,7 @@ from gyreflow.cluster.control import Timing
 from gyreflow.cluster.local import PoolSpec, install, local_cluster
 from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.cluster.routing import RoutingOptions
 from gyreflow.stepgraph import Group, Stages, submit_step
 
 ARMS = ("colocated", "async_user", "async_oracle", "lend", "elastic")
@@ -81,9 +82,9 @@ def call_s(workload: Workload) -> float:
 def placement_timing(workload: Workload) -> tuple[Timing, dict]:
     """The plugin's timing and the policies' time options, in units of :func:`call_s`."""
     u = call_s(workload)
-    timing = Timing(tick_s=u / 8, history_s=u / 2, rebalance_s=u / 8, stall_s=200 * u, stall_check_s=4 * u,
+    timing = Timing(tick_s=u / 4, history_s=u / 2, rebalance_s=u, stall_s=200 * u, stall_check_s=8 * u,
                     rate_window_s=40 * u)
-    return timing, {"dwell_s": u, "idle_s": u, "drain_s": u}
+    return timing, {"dwell_s": 2 * u, "idle_s": 2 * u, "drain_s": 4 * u}
 
 
 def default_splits(cells: int) -> list[tuple[int, int]]:
@@ -118,7 +119,8 @@ class _Run:
     """One arm on a fresh cluster: the step loop, the cell timeline, and what was measured."""
 
     def __init__(self, workload: Workload, mode_name: str, split: tuple[int, int], log, options: dict | None,
-                 shares_per_group: int) -> None:
+                 shares_per_group: int, lane_batch: int = 0) -> None:
+        self.routing = RoutingOptions(max_batch=workload.cost.max_batch, lane_batch=lane_batch)
         self.w, self.mode, self.log = workload, placement_mode(mode_name), log
         self.mode_name = mode_name
         self.split = self.mode.start_split(*split)
@@ -139,7 +141,7 @@ class _Run:
             client.wait_for_workers(w.max_cells + 1)
             self.clock = Clock(scale=w.time_scale, origin=time.time())
             install(client, None, {"workload": w}, self.mode_name, options, engine_factory=emulated_engine_factory,
-                    clock=self.clock, timing=timing)
+                    clock=self.clock, timing=timing, routing=self.routing)
             self.client, self.stages = client, stages_for(w)
             info = client.scheduler_info(n_workers=-1)["workers"]
             self.names = {v["name"]: a for a, v in info.items()}
@@ -259,9 +261,9 @@ class _Run:
 
 
 def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=print, options: dict | None = None,
-            shares_per_group: int = 8) -> dict:
+            shares_per_group: int = 8, lane_batch: int = 0) -> dict:
     """One placement mode at one start split on a fresh cluster; the run's figures."""
-    return _Run(workload, mode_name, split, log, options, shares_per_group).run()
+    return _Run(workload, mode_name, split, log, options, shares_per_group, lane_batch).run()
 
 
 # ---------------------------------------------------------------------------------------- the benchmark
@@ -272,7 +274,7 @@ def _spread(values: list[float]) -> dict:
 
 
 def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tuple[int, int]] | None = None,
-              log=print) -> dict:
+              log=print, lane_batch: int = 0) -> dict:
     """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""
     cells = workload.cells
     candidates = splits or default_splits(cells)
@@ -288,7 +290,7 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
             key = (mode_name, split)
             if key not in done:
                 log(f"{arm} ({mode_name} {split[0]}:{split[1]}) ...")
-                done[key] = run_arm(workload, mode_name, split, log)
+                done[key] = run_arm(workload, mode_name, split, log, lane_batch=lane_batch)
             out = done[key] | {"repeat": rep, "arm": arm}
             runs.append(out)
             return out
@@ -296,11 +298,12 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
         if "colocated" in arms:
             colocated = once("colocated", (cells, 0))
             calibration = calibration or colocated["first_step"]
-        elif calibration is None:  # the user's first step: one step on all cells, rollouts then training
+        elif calibration is None and set(arms) & {"async_user", "lend", "elastic"}:
+            # the user's first step: one step on all cells, rollouts then training
             log("calibration: the first step, colocated ...")
             first = run_arm(_one_step(workload), "colocated", (cells, 0), log)
             calibration = first["first_step"]
-        user = user_split(cells, calibration["rollout_s"], calibration["train_s"])
+        user = user_split(cells, calibration["rollout_s"], calibration["train_s"]) if calibration else None
         if "async_user" in arms:
             once("async_user", user)
         if "async_oracle" in arms:

@@ -189,15 +189,17 @@ class Mover:
         await self.routes.engines_changed()
         return entry
 
-    async def evict(self, src: str, dst: str, sessions: list[str]) -> None:
-        """Move ``sessions`` from engine ``src`` to ``dst`` (session re-balancing): their generations
-        in flight migrate, their next call here is answered ``reroute``."""
+    async def evict(self, src: str, dst: str, sessions: list[str], count: int) -> None:
+        """Move up to ``count`` of ``sessions`` (in order of preference) from engine ``src`` to ``dst``
+        (session re-balancing): only those with a generation in flight, which goes with them; the
+        others stay (their cached prefix is on ``src``)."""
         try:
-            out = await self.scheduler.rpc(src).gyreflow_evict(sessions=sessions, destinations=[dst])
+            out = await self.scheduler.rpc(src).gyreflow_evict(sessions=sessions, destinations=[dst], count=count)
         except OSError:  # the engine left; its sessions are re-routed at their next call anyway
             return
-        if "error" in out:
-            return
         self.routes.moved(out.get("moved", {}))
-        self.books.rebalanced_sessions += len(sessions)
+        for session, dest in out.get("sessions", {}).items():
+            if self.routes.sessions.get(session) == src:
+                self.routes.sessions[session] = dest
+        self.books.rebalanced_sessions += len(out.get("sessions", {}))
         self.books.migrated(len(out.get("moved", {})), int(out.get("bytes", 0)))

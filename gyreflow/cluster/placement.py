@@ -152,27 +152,34 @@ class LendPolicy:
 
 @dataclass(frozen=True)
 class ElasticPolicy:
-    """``elastic``: as many trainer cells as the training work needs, every other cell rolls out.
+    """``elastic``: rollout cells for the live executions, the rest for the training work.
 
-    The training work needs ``rate * (1 + headroom) + backlog / drain_s`` cells: enough to keep up
-    with the work arriving (``train_rate``, measured) and to clear what is ready within ``drain_s``.
-    A cell joins the trainer pool when that need exceeds the trainer cells by more than half a
-    cell (the rollout cells with the fewest live executions go first: the least to migrate), and
-    leaves it, once idle for ``idle_s``, when the need is a whole cell below them. Rollout keeps at
-    least ``min_rollout`` cells; a trainer cell without work also rolls out when rollout lacks
-    capacity (``consolidate_batch`` executions per cell) or is crowded (``spread_batch``), so that no
-    cell idles while executions could use it.
+    Rollout needs ``ceil(executions / consolidate_batch)`` cells to hold every live execution in a
+    batch. Training needs ``rate * (1 + headroom) + backlog / drain_s`` cells: enough to keep up with
+    the training work arriving (``train_rate``, measured) and to clear what is ready within
+    ``drain_s``. Decisions, in order:
+
+    1. Executions wait for a batch slot (more than ``consolidate_batch`` per rollout cell): idle
+       trainer cells roll out, all but those the arriving work keeps busy.
+    2. Training short of cells by more than half a cell: rollout cells beyond the rollout need move
+       to the trainer pool, fewest live executions first (the least to migrate); busy rollout cells
+       too, as far as the rate of arriving work alone needs them (training must keep up).
+    3. Idle trainer cells beyond the training need roll out when rollout is crowded (more than
+       ``spread_batch`` executions per cell: spreading them makes every generation faster).
+
+    A cell keeps a new role ``dwell_s`` at least, and a trainer cell rolls out only after
+    ``idle_s`` without work.
 
     Parameters
     ----------
     consolidate_batch
-        Live executions one rollout cell holds at most before an idle trainer cell must help.
+        Live executions one rollout cell holds when cells are taken for training.
     drain_s
         Time in which the ready training work should be cleared.
     headroom
         Trainer capacity kept above the measured rate of training work.
     spread_batch
-        Executions per rollout cell above which an idle trainer cell (beyond the need) rolls out.
+        Executions per rollout cell above which an idle trainer cell beyond the need rolls out.
     min_rollout, min_trainer
         Cells that always keep each role.
     dwell_s
@@ -197,29 +204,31 @@ class ElasticPolicy:
 
     def decide(self, snap: PoolSnapshot) -> list[Move]:
         rollout, trainer = snap.role(ROLLOUT), snap.role(TRAINER)
-        n = len(snap.cells)
         sessions = snap.sessions
-        need = self.need(snap)
+        need, keep_up = self.need(snap), snap.train_rate * (1 + self.headroom)
+        rollout_need = max(self.min_rollout, math.ceil(sessions / self.consolidate_batch))
         settled = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
         idle = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0 and c.idle_since is not None
                        and snap.time - c.idle_since >= self.idle_s), key=lambda c: c.address)
-        # Training short of cells: take rollout cells, least loaded first.
-        if snap.train_work > 0 and need > len(trainer) + 0.5 and len(rollout) > self.min_rollout:
-            k = min(math.ceil(need - len(trainer) - 0.5), len(rollout) - self.min_rollout, n - self.min_rollout - len(trainer))
+        # 1. Executions wait for a batch slot: idle trainers beyond the steady need roll out.
+        if sessions > len(rollout) * self.consolidate_batch and idle:
+            k = min(len(idle), len(trainer) - max(self.min_trainer, math.ceil(keep_up)))
+            if k > 0:
+                return [Move(c.address, ROLLOUT, f"{sessions} executions wait for batch slots on {len(rollout)} "
+                                                 f"rollout cells") for c in idle[:k]]
+        # 2. Training short of cells: spare rollout cells first, busy ones as the rate needs.
+        if snap.train_work > 0 and need > len(trainer) + 0.5:
+            spare = len(rollout) - rollout_need
+            forced = math.floor(keep_up) - len(trainer)
+            k = min(math.ceil(need - len(trainer) - 0.5), max(spare, forced), len(rollout) - self.min_rollout)
             free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
             return [Move(c.address, TRAINER, f"training needs {need:.1f} cells ({snap.train_backlog_s:.0f}s ready, "
-                                             f"{snap.train_rate:.2f} cell-s/s arriving), {len(trainer)} train")
+                                             f"{snap.train_rate:.2f} cell-s/s arriving), {len(trainer)} train; "
+                                             f"{sessions} executions need {rollout_need} rollout cells")
                     for c in free[: max(0, k)]]
-        spare = len(trainer) - max(self.min_trainer, math.ceil(need)) if need < len(trainer) - 1 else 0
-        short = sessions > len(rollout) * self.consolidate_batch
-        crowded = sessions > len(rollout) * self.spread_batch
-        if idle and sessions > 0 and len(trainer) > self.min_trainer:
-            if short:  # executions wait for a batch slot: every idle trainer cell helps
-                k = min(len(idle), len(trainer) - self.min_trainer)
-                return [Move(c.address, ROLLOUT, f"{sessions} executions need more than {len(rollout)} rollout cells")
-                        for c in idle[:k]]
-            if spare > 0 and crowded:
-                return [Move(c.address, ROLLOUT, f"training needs {need:.1f} cells, {len(trainer)} train; "
-                                                 f"{sessions} executions on {len(rollout)} rollout cells")
-                        for c in idle[:spare]]
+        # 3. Idle trainer cells beyond the need spread crowded rollout.
+        spare_t = len(trainer) - max(self.min_trainer, math.ceil(need)) if need <= len(trainer) - 1 else 0
+        if idle and spare_t > 0 and sessions > len(rollout) * self.spread_batch:
+            return [Move(c.address, ROLLOUT, f"training needs {need:.1f} cells, {len(trainer)} train; {sessions} "
+                                             f"executions on {len(rollout)} rollout cells") for c in idle[:spare_t]]
         return []

@@ -44,6 +44,7 @@ from gyreflow.cluster.moves import Mover
 from gyreflow.cluster.placement import Move
 from gyreflow.cluster.pools import ROLLOUT, TRAINER, cell_roles, is_trainer_task, trainer_tasks
 from gyreflow.cluster.routes import RouteTable
+from gyreflow.cluster.routing import RoutingOptions
 from gyreflow.cluster.status import Books, PoolsStatus
 
 PLUGIN_NAME = "gyreflow-pools"
@@ -71,10 +72,10 @@ class PoolsPlugin(SchedulerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, mode: str = "async", options: dict | None = None, clock: Clock = WALL,
-                 timing: Timing | None = None, history_len: int = 4000) -> None:
+                 timing: Timing | None = None, history_len: int = 4000, routing: RoutingOptions | None = None) -> None:
         self.mode, self.options = mode, dict(options or {})
         policy = placement_mode(mode).make_policy(**self.options)
-        self.clock, self.timing = clock, timing or Timing()
+        self.clock, self.timing, self.routing = clock, timing or Timing(), routing or RoutingOptions()
         self.scheduler = None
         self.books = Books(history_len)
         self._policy = policy
@@ -86,7 +87,8 @@ class PoolsPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self.routes = RouteTable(engines=lambda: self.mover.engines(), poke=lambda: self.controller.poke())
         self.mover = Mover(scheduler, self.routes, self.books, lambda: cell_roles(scheduler), self.clock)
-        self.controller = Controller(scheduler, self._policy, self.routes, self.mover, self.books, self.clock, self.timing)
+        self.controller = Controller(scheduler, self._policy, self.routes, self.mover, self.books, self.clock, self.timing,
+                                     self.routing)
         handlers = {
             "route": self.routes.route, "release": self.routes.release, "locate": self.routes.locate,
             "imported": self.routes.imported, "where": self.routes.where, "ready": self.routes.ready, "pools": self.pools, "placement": self.placement, "move": self.move,
@@ -157,15 +159,18 @@ class PoolsPlugin(SchedulerPlugin):
             out["history"] = []
         return out
 
-    def placement(self, mode: str, options: dict | None = None, timing: dict | None = None) -> dict:
-        """Switch the placement mode (e.g. at the start of a pipeline), and the loop's timing."""
+    def placement(self, mode: str, options: dict | None = None, timing: dict | None = None,
+                  routing: dict | None = None) -> dict:
+        """Switch the placement mode (e.g. at the start of a pipeline), the loop's timing and routing."""
         try:
             policy = placement_mode(mode).make_policy(**(options or {}))
             new_timing = Timing(**timing) if timing else self.timing
+            new_routing = RoutingOptions(**routing) if routing else self.routing
         except (ValueError, TypeError) as err:
             return {"error": str(err)}
         self.mode, self.options = mode, dict(options or {})
         self.timing = self.controller.timing = new_timing
+        self.routing = self.controller.routing = new_routing
         self.controller.policy = policy
         self.controller.poke()
         return {"mode": mode}

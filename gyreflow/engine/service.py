@@ -87,8 +87,6 @@ class EngineService(WorkerPlugin):
         """request id -> where its migration took it, for the reply that waits on it here."""
         self._imported: dict[str, object] = {}
         self._session_of: dict[str, str | None] = {}
-        self.evicted: set[str] = set()
-        """Sessions whose next call must go elsewhere (the scheduler re-balanced them)."""
         self._state: dict[str, tuple[str | None, str, float]] = {}
         """request id -> (session, state, wall time it took that state)."""
         self._seen: dict[str, float] = {}
@@ -170,9 +168,6 @@ class EngineService(WorkerPlugin):
     async def generate(self, request: dict) -> dict:
         if not self.accepting:
             return {"reroute": True}
-        if request.get("session") in self.evicted:
-            self.evicted.discard(request["session"])
-            return {"reroute": True}
         if self.runner is None:  # no weights yet: the call goes elsewhere, and so do the next ones
             return {"reroute": True, "unready": True}
         try:
@@ -250,21 +245,21 @@ class EngineService(WorkerPlugin):
             self.accepting = True
         return out
 
-    async def evict(self, sessions: list[str], destinations: list[str]) -> dict:
-        """Send ``sessions`` elsewhere: their generations in flight migrate to ``destinations``,
-        and their next call here is answered ``reroute`` (the scheduler re-balancing sessions)."""
+    async def evict(self, sessions: list[str], destinations: list[str], count: int | None = None) -> dict:
+        """Send up to ``count`` of ``sessions`` (in that order of preference) elsewhere, the scheduler
+        re-balancing them: only sessions with a generation in flight, which migrates with its KV
+        cache, and their next calls follow it. A session between two calls stays: moving it would
+        only lose its cached prefix."""
         if self.runner is None:
-            return {"moved": {}, "kept": 0, "bytes": 0, "seconds": 0.0}
-        chosen = set(sessions)
-        self.evicted.update(chosen)
+            return {"moved": {}, "sessions": {}, "kept": 0, "bytes": 0, "seconds": 0.0}
 
-        def ids() -> list[str]:
-            out = [rid for rid, s in list(self._session_of.items()) if s in chosen]
-            for rid in out:  # they follow their generation instead
-                self.evicted.discard(self._session_of.get(rid))
-            return out
+        def which() -> list[str]:
+            live = {s: rid for rid, s in list(self._session_of.items()) if s is not None}
+            return [live[s] for s in sessions if s in live][:count]
 
-        return await self._migrate(ids, destinations)
+        out = await self._migrate(which, destinations)
+        return out | {"sessions": {self._session_of.get(rid): d for rid, d in out["moved"].items()
+                                   if self._session_of.get(rid) is not None}}
 
     async def _migrate(self, which: Callable[[], list[str]], destinations: list[str],
                        fail_after_send: bool = False) -> dict:
