@@ -93,7 +93,7 @@ class ClusterConfig:
     """Cells that start in the rollout pool (one engine each)."""
     trainer_workers: int = 1
     """Cells that start in the trainer pool (``colocated`` may start with 0)."""
-    consolidate_batch: int = 32
+    consolidate_batch: int = 8
     """``elastic``: live executions one rollout cell keeps when cells are taken for training."""
     dwell_s: float = 2.0
     """Seconds a cell keeps a new role at least (modes that move cells)."""

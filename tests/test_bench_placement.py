@@ -88,11 +88,12 @@ def test_a_workload_with_a_known_best_mode_gets_it():
     from gyreflow.bench.placement import run_bench
     from gyreflow.bench.workload import Workload
 
-    out = run_bench(Workload.from_dict(CRAFTED), arms=("colocated", "async_user", "async_oracle"), log=lambda *_: None)
+    # (The oracle's only split here, 2:1, is the user's mirror image: run in the test above.)
+    out = run_bench(Workload.from_dict(CRAFTED), arms=("colocated", "async_user"), log=lambda *_: None)
     m = {arm: v["emulated_s"]["mean"] for arm, v in out["modes"].items()}
     assert min(m, key=m.get) == "colocated"
     assert m["colocated"] == pytest.approx(162, rel=0.2)
     assert out["modes"]["async_user"]["split"] == "1:2"  # the first step's work: half rollout, half training
-    assert m["async_user"] == pytest.approx(362, rel=0.2) and m["async_oracle"] == pytest.approx(362, rel=0.2)
+    assert m["async_user"] == pytest.approx(362, rel=0.2)
     # The bounds are those of the colocated schedule, which no placement can beat here.
     assert out["lower_bound_s"] == pytest.approx(162, rel=0.01)

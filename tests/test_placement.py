@@ -86,15 +86,18 @@ def test_elastic_takes_cells_for_ready_training_least_loaded_first():
 
 def test_elastic_keeps_up_with_the_rate_of_training_work():
     # Little is ready now, but 2.2 cell-seconds of training arrive every second: 1 trainer is short.
-    # Every rollout cell is busy (180 executions need 6 at 32 each): only the rate takes one.
-    s = snap(*(cell(f"r{i}", ROLLOUT, sessions=30) for i in range(6)), cell("t0", TRAINER, train=1), backlog=0.1)
-    s = PoolSnapshot(time=s.time, cells=s.cells, train_backlog_s=0.1, train_rate=2.2)
-    moves = ElasticPolicy(drain_s=1.0, headroom=0.1).decide(s)  # 2.2 * 1.1 + 0.1 = 2.52 cells
+    # Every rollout cell is busy (180 executions would need 23 at 8 each): only the rate takes one.
+    s = snap(*(cell(f"r{i}", ROLLOUT, sessions=30) for i in range(6)), cell("t0", TRAINER, train=1))
+    s = PoolSnapshot(time=s.time, cells=s.cells, train_backlog_s=2.0, train_rate=2.2)
+    moves = ElasticPolicy(drain_s=1.0, headroom=0.1).decide(s)  # 2.2 * 1.1 + 2.0 = 4.42 cells
     assert len(moves) == 1 and moves[0].to == TRAINER and moves[0].cell == "r0"
-    # With fewer executions, spare rollout cells cover the whole need.
+    # Work that would not keep a moved cell busy for a dwell time takes no busy rollout cell.
+    thin = PoolSnapshot(time=s.time, cells=s.cells, train_backlog_s=0.1, train_rate=2.2)
+    assert ElasticPolicy(drain_s=1.0, headroom=0.1, dwell_s=0.25).decide(thin) == []
+    # With fewer executions, spare rollout cells move (30 executions need 4 of the 6 at 8 each).
     light = snap(*(cell(f"r{i}", ROLLOUT, sessions=5) for i in range(6)), cell("t0", TRAINER, train=1))
-    light = PoolSnapshot(time=light.time, cells=light.cells, train_backlog_s=0.1, train_rate=2.2)
-    assert len(ElasticPolicy(drain_s=1.0, headroom=0.1).decide(light)) == 2
+    light = PoolSnapshot(time=light.time, cells=light.cells, train_backlog_s=2.0, train_rate=2.2)
+    assert len(ElasticPolicy(drain_s=1.0, headroom=0.1).decide(light)) == 2  # the 2 spare, of ceil(4.42 - 1.5) = 3
     # Within half a cell of the need: nothing moves (no flapping around a fractional need).
     s2 = PoolSnapshot(time=s.time, cells=s.cells, train_backlog_s=0.1, train_rate=1.2)  # 1.42 cells
     assert ElasticPolicy(drain_s=1.0, headroom=0.1).decide(s2) == []
@@ -123,11 +126,15 @@ def test_elastic_idle_trainers_beyond_the_need_spread_crowded_rollout():
               cell("t2", TRAINER, idle_since=10.0))
     moves = ElasticPolicy(consolidate_batch=32, spread_batch=8, idle_s=1.0).decide(snap(*cells_))
     assert {m.to for m in moves} == {ROLLOUT} and len(moves) == 2  # need 0: all but min_trainer
-    # The measured rate of training work says they will be needed: they stay.
+    # The measured rate of training work says they will be needed: they stay (2.5 cell-s/s keeps
+    # two busy: one of three rolls out; 3.0 keeps all three).
     busy = PoolSnapshot(time=NOW, cells=cells_, train_rate=2.5)
-    assert ElasticPolicy(consolidate_batch=32, spread_batch=8, idle_s=1.0, headroom=0.0).decide(busy) == []
-    # Not crowded: trainers stay where they are.
-    assert ElasticPolicy(spread_batch=32).decide(snap(*cells_)) == []
+    assert len(ElasticPolicy(consolidate_batch=32, spread_batch=8, idle_s=1.0, headroom=0.0).decide(busy)) == 1
+    busier = PoolSnapshot(time=NOW, cells=cells_, train_rate=3.0)
+    assert ElasticPolicy(consolidate_batch=32, spread_batch=8, idle_s=1.0, headroom=0.0).decide(busier) == []
+    # One execution per rollout cell: nothing to spread, trainers stay where they are.
+    alone = (cell("r0", ROLLOUT, sessions=1), *cells_[1:])
+    assert ElasticPolicy().decide(snap(*alone)) == []
 
 
 def test_elastic_hysteresis_no_flapping():
@@ -135,9 +142,11 @@ def test_elastic_hysteresis_no_flapping():
     recent = cell("t1", TRAINER, since=NOW - 0.01, idle_since=NOW - 0.01)
     s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), recent)
     assert ElasticPolicy(dwell_s=0.25, consolidate_batch=16).decide(s) == []
-    # A trainer that went idle only just now is not lent either.
+    # A trainer that went idle only just now does not spread a rollout cell with free slots ...
     fresh = [cell(f"t{i}", TRAINER, since=0.0, idle_since=NOW - 0.001) for i in range(2)]
-    assert ElasticPolicy(idle_s=1.0).decide(snap(cell("r0", ROLLOUT, sessions=40), *fresh)) == []
+    assert ElasticPolicy(idle_s=1.0, consolidate_batch=8).decide(snap(cell("r0", ROLLOUT, sessions=8), *fresh)) == []
+    # ... but executions waiting for batch slots get it at once.
+    assert targets(ElasticPolicy(idle_s=1.0).decide(snap(cell("r0", ROLLOUT, sessions=40), *fresh))) == {"t0": ROLLOUT}
 
 
 def test_elastic_never_strands_work():

@@ -137,11 +137,13 @@ ROUNDS = 3
 @pytest.mark.parametrize("point", [None, *POINTS])
 def test_moves_under_faults_lose_nothing(client, point):
     publish_all(client)
-    for r in range(ROUNDS):
-        check_round(client, point, seed=100 + 10 * r + (POINTS.index(point) + 1 if point else 0))
+    fired = sum(check_round(client, point, seed=100 + 10 * r + (POINTS.index(point) + 1 if point else 0))
+                for r in range(ROUNDS))
+    if point is not None:  # the injected faults really fired (a round may see no move reach the point)
+        assert fired > 0, point
 
 
-def check_round(client: Client, point: str | None, seed: int) -> None:
+def check_round(client: Client, point: str | None, seed: int) -> int:
     out = run_round(client, f"stress-{point or 'none'}", point, seed)
     specs, results = out["specs"], out["results"]
     # Every execution finished exactly once, with every call answered with all its tokens.
@@ -150,11 +152,9 @@ def check_round(client: Client, point: str | None, seed: int) -> None:
         assert res["tokens"] == spec.tokens and res["calls"] == spec.num_calls
     # No generation completed twice anywhere: the engines finished exactly the calls made.
     assert finished_calls(out["before"], out["after"]) == sum(s.num_calls for s in specs)
-    # The moves really happened, and the injected faults really fired (and made moves fail).
+    # The moves really happened.
     applied = [m for m in out["moves"] if not m.get("error") and not m.get("aborted")]
     assert len(applied) >= 3, out["moves"][-5:]
-    if point is not None:
-        assert out["fired"] > 0, point
     # Every cell serves a role, its engine takes calls exactly when it is a rollout cell.
     status = client.sync(client.scheduler.gyreflow_pools)
     assert not status["moving"] and not status["stalls"]
@@ -164,6 +164,7 @@ def check_round(client: Client, point: str | None, seed: int) -> None:
         assert out["after"][name]["accepting"] == (roles[addr] == ROLLOUT), (name, roles[addr])
         assert out["after"][name]["live"] == 0 and out["after"][name]["waiting"] == 0
     assert not client.sync(client.scheduler.gyreflow_stalls)
+    return out["fired"]
 
 
 def test_a_cell_leaving_mid_run_loses_no_execution(client):

@@ -83,7 +83,7 @@ def placement_timing(workload: Workload) -> tuple[Timing, dict]:
     """The plugin's timing and the policies' time options, in units of :func:`call_s`."""
     u = call_s(workload)
     timing = Timing(tick_s=u / 4, history_s=u / 2, rebalance_s=u, stall_s=200 * u, stall_check_s=8 * u,
-                    rate_window_s=40 * u)
+                    rate_window_s=200 * u)
     return timing, {"dwell_s": 2 * u, "idle_s": 2 * u, "drain_s": 4 * u}
 
 
@@ -256,6 +256,8 @@ class _Run:
                             **({"failed": m.get("error") or m.get("aborted")} if m.get("error") or m.get("aborted") else {})}
                            for m in status["move_log"]],
             "stalls": status["stalls"],
+            "lost_calls": int(sum(r.get("lost", 0) for r in results)),
+            "prefill_tokens": int(sum(s.get("prefill_tokens", 0) for s in engines.values())),
             "engine_resolve_lag_emulated_s": statistics.mean([s.get("mean_resolve_lag_s", 0.0) for s in engines.values()] or [0.0]),
         }
 

@@ -44,7 +44,8 @@ async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
         await router.aclose()
     return {"execution_id": spec.execution_id, "step": spec.step, "tokens": spec.tokens, "calls": spec.num_calls,
             "min_version": min(versions) if versions else -1, "engines": sorted(engines),
-            "reroutes": router.reroutes, "migrations": router.migrations, "start": t0, "end": time.time()}
+            "reroutes": router.reroutes, "migrations": router.migrations, "lost": router.lost,
+            "start": t0, "end": time.time()}
 
 
 def emulated_tree(result: dict) -> dict:

@@ -38,8 +38,9 @@ class Timing:
     """An execution without progress this long is named as stalled."""
     stall_check_s: float = 10.0
     """Time between two looks for stalled executions."""
-    rate_window_s: float = 30.0
-    """Time over which the rate of arriving training work is averaged (exponentially)."""
+    rate_window_s: float = 300.0
+    """Time over which the rate of arriving training work is averaged (exponentially); it should span
+    several steps, so that the rate is the steady need rather than a step's burst."""
 
     def __post_init__(self) -> None:
         for name in ("tick_s", "history_s", "rebalance_s", "stall_s", "stall_check_s", "rate_window_s"):

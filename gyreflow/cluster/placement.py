@@ -159,13 +159,18 @@ class ElasticPolicy:
     the training work arriving (``train_rate``, measured) and to clear what is ready within
     ``drain_s``. Decisions, in order:
 
-    1. Executions wait for a batch slot (more than ``consolidate_batch`` per rollout cell): idle
-       trainer cells roll out, all but those the arriving work keeps busy.
+    1. Executions wait for a batch slot (more than ``consolidate_batch`` per rollout cell): trainer
+       cells without work roll out, but for as many as the arriving work keeps busy on average
+       (``floor(rate * (1 + headroom))``, ``min_trainer`` at least).
     2. Training short of cells by more than half a cell: rollout cells beyond the rollout need move
        to the trainer pool, fewest live executions first (the least to migrate); busy rollout cells
-       too, as far as the rate of arriving work alone needs them (training must keep up).
-    3. Idle trainer cells beyond the training need roll out when rollout is crowded (more than
-       ``spread_batch`` executions per cell: spreading them makes every generation faster).
+       too, as far as the rate of arriving work alone needs them and the ready work keeps them busy
+       for ``dwell_s`` (training must keep up, and a move must be worth its migrations).
+    3. No training work at all: idle trainer cells beyond those the arriving work keeps busy roll
+       out while any rollout cell serves more than one execution (a generation alone on a cell decodes fastest, and the last executions
+       of a step are the ones it waits for).
+    4. Idle trainer cells beyond the training need roll out when rollout is crowded (more than
+       ``spread_batch`` executions per cell).
 
     A cell keeps a new role ``dwell_s`` at least, and a trainer cell rolls out only after
     ``idle_s`` without work.
@@ -188,7 +193,7 @@ class ElasticPolicy:
         A trainer cell without work this long may roll out.
     """
 
-    consolidate_batch: int = 32
+    consolidate_batch: int = 8
     drain_s: float = 1.0
     headroom: float = 0.1
     spread_batch: int = 8
@@ -208,25 +213,35 @@ class ElasticPolicy:
         need, keep_up = self.need(snap), snap.train_rate * (1 + self.headroom)
         rollout_need = max(self.min_rollout, math.ceil(sessions / self.consolidate_batch))
         settled = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
-        idle = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0 and c.idle_since is not None
-                       and snap.time - c.idle_since >= self.idle_s), key=lambda c: c.address)
-        # 1. Executions wait for a batch slot: idle trainers beyond the steady need roll out.
-        if sessions > len(rollout) * self.consolidate_batch and idle:
-            k = min(len(idle), len(trainer) - max(self.min_trainer, math.ceil(keep_up)))
+        free_t = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0), key=lambda c: c.address)
+        idle = [c for c in free_t if c.idle_since is not None and snap.time - c.idle_since >= self.idle_s]
+        # 1. Executions wait for a batch slot: trainer cells without work roll out, but for those
+        #    the arriving work keeps busy on average.
+        if sessions > len(rollout) * self.consolidate_batch and free_t:
+            k = min(len(free_t), len(trainer) - max(self.min_trainer, math.floor(keep_up)))
             if k > 0:
                 return [Move(c.address, ROLLOUT, f"{sessions} executions wait for batch slots on {len(rollout)} "
-                                                 f"rollout cells") for c in idle[:k]]
-        # 2. Training short of cells: spare rollout cells first, busy ones as the rate needs.
+                                                 f"rollout cells") for c in free_t[:k]]
+        # 2. Training short of cells: spare rollout cells first; busy ones as far as the arriving
+        #    rate needs them and the ready work keeps them busy for a dwell time.
         if snap.train_work > 0 and need > len(trainer) + 0.5:
             spare = len(rollout) - rollout_need
-            forced = math.floor(keep_up) - len(trainer)
+            forced = min(math.floor(keep_up), math.floor(snap.train_backlog_s / self.dwell_s) if self.dwell_s > 0
+                         else len(snap.cells)) - len(trainer)
             k = min(math.ceil(need - len(trainer) - 0.5), max(spare, forced), len(rollout) - self.min_rollout)
             free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
             return [Move(c.address, TRAINER, f"training needs {need:.1f} cells ({snap.train_backlog_s:.0f}s ready, "
                                              f"{snap.train_rate:.2f} cell-s/s arriving), {len(trainer)} train; "
                                              f"{sessions} executions need {rollout_need} rollout cells")
                     for c in free[: max(0, k)]]
-        # 3. Idle trainer cells beyond the need spread crowded rollout.
+        # 3. No training work: idle trainer cells spread the executions (a generation alone on a
+        #    cell decodes fastest, and the last ones of a step are the ones it waits for).
+        keep = max(self.min_trainer, math.floor(keep_up))
+        if idle and snap.train_work == 0 and sessions > len(rollout) and len(trainer) > keep:
+            k = min(len(idle), len(trainer) - keep, sessions - len(rollout))
+            return [Move(c.address, ROLLOUT, f"no training work; {sessions} executions on {len(rollout)} rollout "
+                                             f"cells") for c in idle[:k]]
+        # 4. Idle trainer cells beyond the need spread crowded rollout.
         spare_t = len(trainer) - max(self.min_trainer, math.ceil(need)) if need <= len(trainer) - 1 else 0
         if idle and spare_t > 0 and sessions > len(rollout) * self.spread_batch:
             return [Move(c.address, ROLLOUT, f"training needs {need:.1f} cells, {len(trainer)} train; {sessions} "

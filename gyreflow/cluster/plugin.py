@@ -90,7 +90,7 @@ class PoolsPlugin(SchedulerPlugin):
         self.controller = Controller(scheduler, self._policy, self.routes, self.mover, self.books, self.clock, self.timing,
                                      self.routing)
         handlers = {
-            "route": self.routes.route, "release": self.routes.release, "locate": self.routes.locate,
+            "route": self.routes.route, "release": self.routes.release, "locate": self.locate,
             "imported": self.routes.imported, "where": self.routes.where, "ready": self.routes.ready, "pools": self.pools, "placement": self.placement, "move": self.move,
             "join": self.join, "retire": self.retire, "stalls": self.stalls, "fault": self.fault,
         }
@@ -174,6 +174,12 @@ class PoolsPlugin(SchedulerPlugin):
         self.controller.policy = policy
         self.controller.poke()
         return {"mode": mode}
+
+    def locate(self, request_id: str, engine: str | None = None) -> dict:
+        """The cell that imported a migrated request, if any; with ``engine``, whether that worker
+        is still in the cluster (``alive``)."""
+        out = self.routes.locate(request_id)
+        return out if engine is None else out | {"alive": engine in self.scheduler.workers}
 
     async def move(self, cell: str, to: str, reason: str = "asked") -> dict:
         """Apply one move now; its log entry."""

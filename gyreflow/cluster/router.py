@@ -8,8 +8,9 @@ scheduler knows which cell imported it (``gyreflow_locate``), so it resumes from
 token. Only a generation that never left a dead cell is sent again, with its own seed.
 
 No call waits without bound: while a call is out, the router asks its engine every ``probe_s``
-where the request stands. An engine that stops answering, or that no longer knows the request (and
-the scheduler does not know where it went), counts as lost: the call is sent again elsewhere.
+where the request stands. An engine whose worker cannot be reached or has left the cluster, or that
+no longer knows the request, counts as lost: the call is sent again elsewhere. An engine that is
+only slow to answer is waited for, so no call runs twice.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Router:
         """The session's engine; asked of the scheduler once, and again when it stops serving."""
         self.reroutes = 0
         self.migrations = 0
+        self.lost = 0
+        """Calls sent again (or collected elsewhere) because their engine failed or lost them."""
 
     async def _route(self) -> str:
         route = await self.worker.scheduler.gyreflow_route(session=self.session, priority=self.priority)
@@ -83,6 +86,7 @@ class Router:
                                               self.worker.rpc(self.engine).gyreflow_generate(request=msg))
             except OSError as err:  # the engine's worker went away, or lost the request
                 failures, last = failures + 1, err
+                self.lost += 1
                 if failures > self.attempts:
                     raise RouteError(f"no engine answered after {self.attempts} attempts: {last}") from None
                 where = await self.worker.scheduler.gyreflow_locate(request_id=msg["request_id"])
@@ -128,7 +132,14 @@ class Router:
                 try:
                     status = await asyncio.wait_for(
                         self.worker.rpc(engine).gyreflow_request_status(request_id=request_id), timeout=self.probe_s)
-                except (OSError, asyncio.TimeoutError):
+                except asyncio.TimeoutError:
+                    # A slow engine is not a dead one: sending the call again would run it twice.
+                    # Only the scheduler's word that the worker left makes it lost.
+                    if (await self.worker.scheduler.gyreflow_locate(request_id=request_id, engine=engine))["alive"]:
+                        unknown = 0
+                        continue
+                    raise LostRequest(f"engine {engine} left the cluster holding {request_id}") from None
+                except OSError:
                     raise LostRequest(f"engine {engine} stopped answering for {request_id}") from None
                 unknown = unknown + 1 if status.get("state") == "unknown" else 0
                 if unknown >= 2:

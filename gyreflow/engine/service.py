@@ -241,9 +241,10 @@ class EngineService(WorkerPlugin):
         except Exception:
             self.accepting = True
             raise
-        if out["kept"] or out.get("error"):
+        left = len(self.runner.engine.request_ids())  # nothing may stay behind on a cell that stops serving
+        if out["kept"] or out.get("error") or left:
             self.accepting = True
-        return out
+        return out | {"kept": max(out["kept"], left)}
 
     async def evict(self, sessions: list[str], destinations: list[str], count: int | None = None) -> dict:
         """Send up to ``count`` of ``sessions`` (in that order of preference) elsewhere, the scheduler
@@ -280,22 +281,16 @@ class EngineService(WorkerPlugin):
             moved: dict[str, str] = {}
             error = None
 
-            def export_all() -> list:
-                out = []
+            def export_all() -> None:  # into ``states`` as it goes: a failure half-way loses none
                 for rid in ids:
                     try:
-                        out.append(self.runner.export_request(rid))
+                        states.append(self.runner.export_request(rid))
                     except KeyError:  # finished meanwhile
                         pass
-                return out
 
             try:
                 await FAULTS.trip("before_export")
-                states = await loop.run_in_executor(None, export_all)
-                exported = {st.request_id for st in states}
-                for rid in set(ids) - exported:  # they finished: their replies never wait on a move
-                    self._moves.pop(rid, None)
-                    where.pop(rid, None)
+                await loop.run_in_executor(None, export_all)
                 await FAULTS.trip("after_export")
                 plan: dict[str, list] = {d: [] for d in destinations}
                 for i, state in enumerate(states):
@@ -305,7 +300,8 @@ class EngineService(WorkerPlugin):
                 async def send(dest: str, batch: list) -> None:
                     try:
                         out = await self.worker.rpc(dest).gyreflow_import(states=[state_to_msg(s) for s in batch])
-                    except OSError:
+                    except OSError:  # it may have taken them before the line failed: they must not run twice
+                        await self._unsend(dest, [s.request_id for s in batch])
                         return
                     if "error" not in out:
                         for s in batch:
@@ -319,13 +315,25 @@ class EngineService(WorkerPlugin):
                 error = f"{type(err).__name__}: {err}"
             finally:
                 kept = self._keep([s for s in states if s.request_id not in moved])
+                exported = {s.request_id for s in states}
                 for rid, fut in where.items():
-                    if not fut.done():
+                    if rid not in exported:  # never left (finished meanwhile, or the export failed first)
+                        self._moves.pop(rid, None)
+                    elif not fut.done():
                         fut.set_result(moved.get(rid, kept.get(rid, self.worker.address)))
             self.migrated_out += len(moved)
             out = {"moved": moved, "kept": len(kept), "bytes": int(sum(state_nbytes(s) for s in states)),
                    "seconds": time.perf_counter() - t0}
             return out | ({"error": error} if error else {})
+
+    async def _unsend(self, dest: str, request_ids: list[str]) -> None:
+        """Withdraw requests from ``dest`` after an import whose reply was lost (best effort: a
+        destination that cannot be reached cannot run them either)."""
+        for rid in request_ids:
+            try:
+                await asyncio.wait_for(self.worker.rpc(dest).gyreflow_abort(request_id=rid), 30)
+            except (OSError, asyncio.TimeoutError):
+                return
 
     def _keep(self, states: list) -> dict:
         """Import ``states`` back into this engine (nobody took them); request id -> this address,
@@ -356,6 +364,7 @@ class EngineService(WorkerPlugin):
     def abort(self, request_id: str) -> dict:
         """Drop a request its caller gave up on (it is run again elsewhere)."""
         self._imported.pop(request_id, None)
+        self._note(request_id, None, None)
         if self.runner is not None:
             try:
                 self.runner.export_request(request_id)
