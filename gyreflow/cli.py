@@ -212,7 +212,8 @@ def inspect(run_dir) -> None:
         data = json.loads(report.read_text())
         console.print(f"initial held-out pass rate: {data.get('initial_heldout_pass_rate')}")
         for s in data.get("steps", []):
-            console.print(f"  step {s['step']}: held-out {s['heldout_pass_rate']:.3f}  reward {s['mean_reward']:.3f}  "
+            held = "-" if s.get("heldout_pass_rate") is None else f"{s['heldout_pass_rate']:.3f}"
+            console.print(f"  step {s['step']}: held-out {held}  reward {s['mean_reward']:.3f}  "
                           f"tokens {s['tokens_generated']}  staleness {s['max_staleness']}")
     archive = run_dir / "archive.zarr"
     if archive.exists():
@@ -247,10 +248,8 @@ def _split(text: str) -> tuple[int, int]:
 @click.option("--split", "splits", multiple=True, metavar="R:T", help="async split the oracle tries (repeatable).")
 @click.option("--steps", type=int, help="Override the workload's number of steps.")
 @click.option("--time-scale", type=float, help="Override emulated seconds per wall second.")
-@click.option("--lane-batch", type=click.IntRange(0), default=0, show_default=True,
-              help="Routing in every mode: tail lanes of this many of the oldest executions per engine (0: none).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
-def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, lane_batch, json_path) -> None:
+def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, json_path) -> None:
     """Every placement mode on one workload, with the emulated cost model (see README)."""
     import dataclasses
     import json
@@ -289,8 +288,7 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, la
         workload = dataclasses.replace(workload, time_scale=time_scale)
     console.print(f"workload {workload.name}: {workload.cells} cells, {workload.steps} steps, "
                   f"{workload.executions_per_step} executions per step, time scale x{workload.time_scale:g} (emulated)")
-    out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print,
-                    lane_batch=lane_batch)
+    out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print)
     console.print(format_placement(out))
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
@@ -386,7 +384,8 @@ def bench_modes(config_path, overrides, cells, out, json_path) -> None:
         placement = report.get("placement", {})
         figures[mode] = {"wall_s": report["total_wall_s"], "rl_wall_s": sum(s["wall_s"] for s in report["steps"]),
                          "moves": placement.get("moves", 0), "migrations": placement.get("migrations", 0),
-                         "heldout_pass_rate": [report["initial_heldout_pass_rate"]] + [s["heldout_pass_rate"] for s in report["steps"]],
+                         "heldout_pass_rate": [report["initial_heldout_pass_rate"]] + [s["heldout_pass_rate"] for s in report["steps"]
+                                                                                        if s["heldout_pass_rate"] is not None],
                          "max_staleness": max(s["max_staleness"] for s in report["steps"])}
         console.print(f"  {mode}: RL steps {figures[mode]['rl_wall_s']:.1f}s  moves {figures[mode]['moves']}  "
                       f"migrations {figures[mode]['migrations']}  held-out pass "

@@ -33,8 +33,8 @@ class TaskConfig:
     spare_calls: int = 4
     """Tool calls allowed beyond the two per room a perfect agent needs."""
     heldout_tasks: int = 200
-    """Held-out tasks evaluated after SFT and after every step (a suite's held-out tasks, at most
-    this many)."""
+    """Held-out tasks evaluated after SFT and every ``rl.eval_every`` steps (a suite's held-out
+    tasks, at most this many)."""
     suite: str = ""
     """A task-suite directory (see ``examples/repo_tasks/README.md``): its tasks are run by the
     agent program of ``external``. Empty: the vault tasks, run by the native agent."""
@@ -46,7 +46,7 @@ class SFTConfig:
 
     demos: int = 3000
     """Demonstrations generated (one per training task)."""
-    steps: int = 600
+    steps: int = 300
     """Optimizer steps."""
     batch_size: int = 8
     """Sequences per step."""
@@ -60,7 +60,7 @@ class SFTConfig:
 class RLConfig:
     """The reinforcement-learning loop."""
 
-    steps: int = 16
+    steps: int = 8
     """Policy updates."""
     tasks_per_step: int = 24
     """Training tasks per step (a group each)."""
@@ -78,6 +78,8 @@ class RLConfig:
     """Gradient tasks per group (token-balanced parts of its paths), which trainer cells share."""
     seed: int = 0
     """Seed of task choice and sampling."""
+    eval_every: int = 1
+    """Evaluate the held-out tasks after every this many steps, and after the last."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"rl.samples_per_task must be >= 2 (group-relative advantages), got {cfg.rl.samples_per_task}")
     _positive("rl.staleness", cfg.rl.staleness, allow_zero=True)
     _positive("rl.shares_per_group", cfg.rl.shares_per_group)
+    _positive("rl.eval_every", cfg.rl.eval_every)
     _positive("rl.clip_eps", cfg.rl.clip_eps)
     _positive("task.horizon", cfg.task.horizon)
     _positive("task.spare_calls", cfg.task.spare_calls, allow_zero=True)

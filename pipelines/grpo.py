@@ -167,7 +167,10 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
     trained = sf.futures.update.result()
     version = trained["version"]
     publish(client, STAGES, sf.futures.published, engine_cells(client, cfg), version)
-    ev, eval_writes = evaluate(client, heldout, source, cfg, version, archive, sf.step)
+    if (sf.step + 1) % cfg.rl.eval_every == 0 or sf.step == cfg.rl.steps - 1:
+        ev, eval_writes = evaluate(client, heldout, source, cfg, version, archive, sf.step)
+    else:  # not evaluated at this step
+        ev, eval_writes = {"pass_rate": None, "mean_reward": None}, []
     results = client.gather(sf.futures.executions)
     summaries = client.gather(sf.writes + eval_writes)
     tokens = int(sum(r.tokens_generated for r in results))
@@ -192,7 +195,8 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
     }
     entry["placement"] = report.placement_since(client.sync(client.scheduler.gyreflow_pools))
     report.add_step(entry)
-    log(f"step {sf.step + 1}/{cfg.rl.steps}: held-out pass {ev['pass_rate']:.3f}  train reward {entry['mean_reward']:.3f}  "
+    held = "-" if ev["pass_rate"] is None else f"{ev['pass_rate']:.3f}"
+    log(f"step {sf.step + 1}/{cfg.rl.steps}: held-out pass {held}  train reward {entry['mean_reward']:.3f}  "
         f"tokens {tokens}  staleness {entry['max_staleness']}  trained on {len(m.get('share_workers', []))} cell(s)  "
         f"{entry['wall_s']:.1f}s")
     log(f"  placement: {describe(entry['placement'])}")

@@ -71,11 +71,15 @@ def test_two_steps_run_each_stage_only_on_its_pool(cluster, tmp_path, tiny_overr
 
 
 def test_on_policy_staleness_zero(cluster, tmp_path, tiny_overrides):
-    cfg = load_config(None, tiny_overrides + ["rl.staleness=0"])
+    cfg = load_config(None, tiny_overrides + ["rl.staleness=0", "rl.steps=3", "rl.eval_every=2"])
     with Client(cluster) as client:
         report = find_pipeline("grpo").run(client, cfg, tmp_path, log=lambda *_: None)
-    assert [s["max_staleness"] for s in report["steps"]] == [0, 0]
+    assert [s["max_staleness"] for s in report["steps"]] == [0, 0, 0]
+    # Held-out evaluation after every second step and after the last: steps 1 and 2 (and the SFT policy).
+    assert [s["heldout_pass_rate"] is None for s in report["steps"]] == [True, False, False]
     reader = ArchiveReader(tmp_path / "archive.zarr")
+    evals = {step: sum(e.startswith("eval-") for e in reader.executions(step)) for step in reader.committed_steps}
+    assert evals == {0: cfg.task.heldout_tasks, 1: cfg.task.heldout_tasks, 2: cfg.task.heldout_tasks}
     # On-policy: every token of step k's executions was sampled by weights version k.
     for step in reader.committed_steps:
         for eid in reader.executions(step):

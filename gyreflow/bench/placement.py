@@ -119,8 +119,8 @@ class _Run:
     """One arm on a fresh cluster: the step loop, the cell timeline, and what was measured."""
 
     def __init__(self, workload: Workload, mode_name: str, split: tuple[int, int], log, options: dict | None,
-                 shares_per_group: int, lane_batch: int = 0) -> None:
-        self.routing = RoutingOptions(max_batch=workload.cost.max_batch, lane_batch=lane_batch)
+                 shares_per_group: int) -> None:
+        self.routing = RoutingOptions(max_batch=workload.cost.max_batch)
         self.w, self.mode, self.log = workload, placement_mode(mode_name), log
         self.mode_name = mode_name
         self.split = self.mode.start_split(*split)
@@ -263,9 +263,9 @@ class _Run:
 
 
 def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=print, options: dict | None = None,
-            shares_per_group: int = 8, lane_batch: int = 0) -> dict:
+            shares_per_group: int = 8) -> dict:
     """One placement mode at one start split on a fresh cluster; the run's figures."""
-    return _Run(workload, mode_name, split, log, options, shares_per_group, lane_batch).run()
+    return _Run(workload, mode_name, split, log, options, shares_per_group).run()
 
 
 # ---------------------------------------------------------------------------------------- the benchmark
@@ -276,7 +276,7 @@ def _spread(values: list[float]) -> dict:
 
 
 def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tuple[int, int]] | None = None,
-              log=print, lane_batch: int = 0) -> dict:
+              log=print) -> dict:
     """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""
     cells = workload.cells
     candidates = splits or default_splits(cells)
@@ -292,7 +292,7 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
             key = (mode_name, split)
             if key not in done:
                 log(f"{arm} ({mode_name} {split[0]}:{split[1]}) ...")
-                done[key] = run_arm(workload, mode_name, split, log, lane_batch=lane_batch)
+                done[key] = run_arm(workload, mode_name, split, log)
             out = done[key] | {"repeat": rep, "arm": arm}
             runs.append(out)
             return out

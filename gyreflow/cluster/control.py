@@ -17,7 +17,7 @@ from gyreflow.cluster.moves import Mover
 from gyreflow.cluster.placement import Cell, Move, PlacementPolicy, PoolSnapshot
 from gyreflow.cluster.pools import ROLLOUT, TRAINER, cell_roles, is_trainer_task, trainer_tasks
 from gyreflow.cluster.routes import RouteTable
-from gyreflow.cluster.routing import RouteSnapshot, RoutingOptions, lane_moves, plan_lanes, rebalance_sessions
+from gyreflow.cluster.routing import RouteSnapshot, RoutingOptions, rebalance_sessions
 from gyreflow.cluster.stalls import EngineActivity, find_stalls
 from gyreflow.cluster.status import Books
 
@@ -184,19 +184,9 @@ class Controller:
         """Move the youngest sessions with a generation in flight from crowded engines to the
         emptiest (the generation migrates; their next calls go there)."""
         snap = RouteSnapshot(self.routes.engines(), self.routes.sessions)
-        opts = self.routing
-        lanes = plan_lanes(snap, self.routes.priority, opts.max_batch, opts.lane_batch)
-        self.routes.lanes = lanes
-        named: dict[tuple[str, str], list[str]] = {}
-        for session, src, dst in lane_moves(snap, lanes, opts.max_batch, opts.lane_batch):
-            named.setdefault((src, dst), []).append(session)
-        for (src, dst), sessions in named.items():
-            self._spawn(self.mover.evict(src, dst, sessions, len(sessions)))
         count: dict[tuple[str, str], int] = {}
-        for group in ([e for e in snap.engines if e in lanes.engines], [e for e in snap.engines if e not in lanes.engines]):
-            sub = RouteSnapshot(tuple(group), {s: e for s, e in snap.sessions.items() if e in group})
-            for _, src, dst in rebalance_sessions(sub, self.routes.priority):
-                count[(src, dst)] = count.get((src, dst), 0) + 1
+        for _, src, dst in rebalance_sessions(snap, self.routes.priority):
+            count[(src, dst)] = count.get((src, dst), 0) + 1
         for (src, dst), n in count.items():
             # Any of the donor's sessions may go, youngest first: only those with a generation in
             # flight can move without losing their cached prefix, and the engine knows which they are.

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from gyreflow.cluster.routing import Lanes, RouteSnapshot, choose_engine
+from gyreflow.cluster.routing import RouteSnapshot, choose_engine
 
 
 class RouteTable:
@@ -47,8 +47,6 @@ class RouteTable:
         """session -> wall time of its last route request (activity, for the stall detector)."""
         self.located: dict[str, str] = {}
         """request id -> cell that imported it in a migration (dropped when its session ends)."""
-        self.lanes = Lanes()
-        """Tail lanes, as the last re-balancing planned them."""
         self.waiting = 0
         self.routed = 0
         self._changed: asyncio.Condition | None = None
@@ -118,7 +116,7 @@ class RouteTable:
                         return {"error": f"no engine in the rollout pool for {timeout:.0f}s"}
         finally:
             self.waiting -= 1
-        chosen = choose_engine(session, RouteSnapshot(self.engines(), self.sessions), self.lanes)
+        chosen = choose_engine(session, RouteSnapshot(self.engines(), self.sessions))
         if self.sessions.get(session) != chosen:
             self.poke()
         self.sessions[session] = chosen
