@@ -215,10 +215,11 @@ class ElasticPolicy:
         settled = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
         free_t = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0), key=lambda c: c.address)
         idle = [c for c in free_t if c.idle_since is not None and snap.time - c.idle_since >= self.idle_s]
+        keep = max(self.min_trainer, math.floor(keep_up))  # trainer cells the arriving work keeps busy
         # 1. Executions wait for a batch slot: trainer cells without work roll out, but for those
         #    the arriving work keeps busy on average.
         if sessions > len(rollout) * self.consolidate_batch and free_t:
-            k = min(len(free_t), len(trainer) - max(self.min_trainer, math.floor(keep_up)))
+            k = min(len(free_t), len(trainer) - keep)
             if k > 0:
                 return [Move(c.address, ROLLOUT, f"{sessions} executions wait for batch slots on {len(rollout)} "
                                                  f"rollout cells") for c in free_t[:k]]
@@ -236,7 +237,6 @@ class ElasticPolicy:
                     for c in free[: max(0, k)]]
         # 3. No training work: idle trainer cells spread the executions (a generation alone on a
         #    cell decodes fastest, and the last ones of a step are the ones it waits for).
-        keep = max(self.min_trainer, math.floor(keep_up))
         if idle and snap.train_work == 0 and sessions > len(rollout) and len(trainer) > keep:
             k = min(len(idle), len(trainer) - keep, sessions - len(rollout))
             return [Move(c.address, ROLLOUT, f"no training work; {sessions} executions on {len(rollout)} rollout "
