@@ -11,6 +11,7 @@ every cell end in a role it can serve, and no round may hang.
 from __future__ import annotations
 
 import random
+from collections import Counter
 import threading
 import time
 
@@ -134,16 +135,24 @@ def finished_calls(before: dict, after: dict) -> int:
 ROUNDS = 3
 
 
+def outcomes(moves: list[dict]) -> Counter:
+    return Counter(m.get("error") or m.get("aborted") or "applied" for m in moves)
+
+
 @pytest.mark.parametrize("point", [None, *POINTS])
 def test_moves_under_faults_lose_nothing(client, point):
     publish_all(client)
-    fired = sum(check_round(client, point, seed=100 + 10 * r + (POINTS.index(point) + 1 if point else 0))
-                for r in range(ROUNDS))
+    rounds = [check_round(client, point, seed=100 + 10 * r + (POINTS.index(point) + 1 if point else 0))
+              for r in range(ROUNDS)]
+    # The moves really happened, with executions live; a fault aborts the move it hits, so a round
+    # may see few applied, but not every round.
+    assert sum(outcomes(moves)["applied"] for moves, _ in rounds) >= ROUNDS, [outcomes(m) for m, _ in rounds]
     if point is not None:  # the injected faults really fired (a round may see no move reach the point)
-        assert fired > 0, point
+        assert sum(fired for _, fired in rounds) > 0, point
 
 
-def check_round(client: Client, point: str | None, seed: int) -> int:
+def check_round(client: Client, point: str | None, seed: int) -> tuple[list[dict], int]:
+    """One round's checks; returns the moves it tried and how often the point fired."""
     out = run_round(client, f"stress-{point or 'none'}", point, seed)
     specs, results = out["specs"], out["results"]
     # Every execution finished exactly once, with every call answered with all its tokens.
@@ -152,9 +161,8 @@ def check_round(client: Client, point: str | None, seed: int) -> int:
         assert res["tokens"] == spec.tokens and res["calls"] == spec.num_calls
     # No generation completed twice anywhere: the engines finished exactly the calls made.
     assert finished_calls(out["before"], out["after"]) == sum(s.num_calls for s in specs)
-    # The moves really happened.
-    applied = [m for m in out["moves"] if not m.get("error") and not m.get("aborted")]
-    assert len(applied) >= 3, out["moves"][-5:]
+    # The mover really tried, and every move it tried ended applied, aborted or refused: none hangs.
+    assert len(out["moves"]) >= 3, outcomes(out["moves"])
     # Every cell serves a role, its engine takes calls exactly when it is a rollout cell.
     status = client.sync(client.scheduler.gyreflow_pools)
     assert not status["moving"] and not status["stalls"]
@@ -164,7 +172,7 @@ def check_round(client: Client, point: str | None, seed: int) -> int:
         assert out["after"][name]["accepting"] == (roles[addr] == ROLLOUT), (name, roles[addr])
         assert out["after"][name]["live"] == 0 and out["after"][name]["waiting"] == 0
     assert not client.sync(client.scheduler.gyreflow_stalls)
-    return out["fired"]
+    return out["moves"], out["fired"]
 
 
 def test_a_cell_leaving_mid_run_loses_no_execution(client):
