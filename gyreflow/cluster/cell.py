@@ -13,6 +13,7 @@ import time
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.worker_state_machine import UnpauseEvent
 
+from gyreflow.cluster.allocator import tune_allocator
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.faults import FAULTS, InjectedFault
@@ -32,6 +33,7 @@ class CellService(WorkerPlugin):
 
     async def setup(self, worker) -> None:
         self.worker = worker
+        tune_allocator()
         worker.handlers["gyreflow_set_role"] = self.set_role
         worker.handlers["gyreflow_fault"] = self.fault
 
