@@ -60,7 +60,7 @@ class SFTConfig:
 class RLConfig:
     """The reinforcement-learning loop."""
 
-    steps: int = 8
+    steps: int = 12
     """Policy updates."""
     tasks_per_step: int = 24
     """Training tasks per step (a group each)."""
