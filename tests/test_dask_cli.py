@@ -17,11 +17,13 @@ from support import wait_for
 pytestmark = pytest.mark.timeout(420)
 
 DASK = [sys.executable, "-m", "dask"]
-# Enough executions per step that two rollout cells are crowded (4 per cell is their share when
-# cells are taken for training), so the idle trainer cell rolls out and is taken back for training.
+# Settings under which the policy's own rule must move a cell whatever the machine's speed: one
+# rollout cell holds every execution (consolidate_batch), so the other is spare, and any ready
+# gradient share (Dask's first estimate of an unknown task is 0.5 s) is more training than the
+# trainer cell clears within drain_s; with no training work the cell is given back to rollout.
 RUN_OVERRIDES = [
     "cluster.placement=elastic", "cluster.rollout_workers=2", "cluster.trainer_workers=1",
-    "cluster.consolidate_batch=4", "cluster.dwell_s=0.5", "cluster.idle_s=0.5", "cluster.drain_s=0.5",
+    "cluster.consolidate_batch=64", "cluster.dwell_s=0.5", "cluster.idle_s=0.5", "cluster.drain_s=0.05",
     "rl.steps=3", "rl.tasks_per_step=6", "rl.samples_per_task=4", "rl.shares_per_group=2",
 ]
 
