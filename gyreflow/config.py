@@ -46,7 +46,7 @@ class SFTConfig:
 
     demos: int = 3000
     """Demonstrations generated (one per training task)."""
-    steps: int = 300
+    steps: int = 150
     """Optimizer steps."""
     batch_size: int = 8
     """Sequences per step."""
@@ -60,9 +60,9 @@ class SFTConfig:
 class RLConfig:
     """The reinforcement-learning loop."""
 
-    steps: int = 12
+    steps: int = 8
     """Policy updates."""
-    tasks_per_step: int = 24
+    tasks_per_step: int = 12
     """Training tasks per step (a group each)."""
     samples_per_task: int = 8
     """Executions per task: the group size of the advantage estimator."""
@@ -78,7 +78,7 @@ class RLConfig:
     """Gradient tasks per group (token-balanced parts of its paths), which trainer cells share."""
     seed: int = 0
     """Seed of task choice and sampling."""
-    eval_every: int = 1
+    eval_every: int = 8
     """Evaluate the held-out tasks after every this many steps, and after the last."""
 
 

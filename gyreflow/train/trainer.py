@@ -21,7 +21,7 @@ from gyreflow.train.packing import MicroBatch, PathSample, pack
 class OptimConfig:
     """Optimizer and batching of the trainer."""
 
-    lr: float = 4e-4
+    lr: float = 7e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
