@@ -169,6 +169,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("sft.demos", cfg.sft.demos)
     _positive("sft.batch_size", cfg.sft.batch_size)
     _positive("optim.lr", cfg.optim.lr)
+    _positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     _positive("optim.micro_batch_tokens", cfg.optim.micro_batch_tokens)
     _positive("optim.temperature", cfg.optim.temperature)
     if cfg.agent.temperature != cfg.optim.temperature:

@@ -88,3 +88,26 @@ def test_a_step_with_nothing_to_train_still_advances_the_version():
     assert out["version"] == trainer.version == 4 and out["trained_tokens"] == 0
     assert trainer.rl_step([])["version"] == 5
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_rl_learning_rate_warms_up_over_the_first_updates():
+    """Adam's first update moves every parameter with a gradient by the full learning rate
+    (m/sqrt(v) = g/|g|, bias-corrected), so the warm-up must show in the weights: lr/3, then 2*lr/3, then lr."""
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    lr = 1e-2
+    t = Trainer(build_policy(cfg, seed=1), OptimConfig(lr=lr, warmup_steps=3, grad_clip=1e9), version=0)
+    got = []
+    for k in range(4):
+        before = [p.detach().clone() for p in t.model.parameters()]
+        got.append(t.apply_gradients([t.gradients(samples(5, 10 + k), "reinforce")])["lr"])
+        if k == 0:
+            step = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(t.model.parameters(), before)])
+            moved = step[step > 0]
+            assert moved.numel() > 0
+            # (a gradient within Adam's eps of zero moves its weight less)
+            assert moved.max() <= lr / 3 * (1 + 1e-3)
+            assert ((moved - lr / 3).abs() <= lr / 3 * 1e-3).float().mean() > 0.95
+    assert got == pytest.approx([lr / 3, 2 * lr / 3, lr, lr])
+    # No warm-up: the first update is already at the full rate.
+    t0 = Trainer(build_policy(cfg, seed=1), OptimConfig(lr=lr, warmup_steps=0), version=0)
+    assert t0.rl_step(samples(5, 20), "reinforce")["lr"] == pytest.approx(lr)

@@ -21,8 +21,12 @@ from gyreflow.train.packing import MicroBatch, PathSample, pack
 class OptimConfig:
     """Optimizer and batching of the trainer."""
 
-    lr: float = 7e-4
-    """AdamW learning rate."""
+    lr: float = 1e-3
+    """AdamW learning rate of the RL updates."""
+    warmup_steps: int = 3
+    """RL updates over which the learning rate rises linearly to ``lr`` (0: none). A fresh Adam
+    moves every parameter by the full ``lr`` on its first update, which can wreck a warm-started
+    policy."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -62,6 +66,24 @@ class Trainer:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * n / denom
         return sums, total
+
+    def rl_lr(self) -> float:
+        """Learning rate of the next RL update: ``lr``, warmed up over the optimizer's first
+        ``warmup_steps`` updates."""
+        done = self.updates()
+        warm = self.cfg.warmup_steps
+        return self.cfg.lr * (min(1.0, (done + 1) / warm) if warm > 0 else 1.0)
+
+    def updates(self) -> int:
+        """Updates the optimizer has applied (its Adam step count)."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    def _set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
 
     def _step(self) -> float:
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
@@ -144,8 +166,10 @@ class Trainer:
             for k, v in p["sums"].items():
                 sums[k] = sums.get(k, 0.0) + v / total
         self.model.train()
+        self._set_lr(lr := self.rl_lr())
         norm = self._step()
         return sums | {
+            "lr": lr,
             "grad_norm": norm,
             "trained_tokens": int(total),
             "padded_tokens": int(sum(p["padded_tokens"] for p in parts)),
@@ -157,12 +181,14 @@ class Trainer:
     def rl_step(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
         """One policy-gradient step with the registered ``loss`` (importance ratio vs behaviour)."""
         oldest = self._oldest(samples)
+        self._set_lr(lr := self.rl_lr())
         out = self._apply(pack(samples, self.cfg.micro_batch_tokens), self._rl_loss(loss, **loss_kwargs))
         if out["trained_tokens"] == 0:
             self.version += 1  # an empty update is still a step (see apply_gradients)
         # Staleness of the oldest trained token: versions behind the weights that were updated.
         out["max_staleness"] = int(self.version - 1 - oldest) if oldest is not None else 0
         out["version"] = self.version
+        out["lr"] = lr
         return out
 
     def sft_step(self, samples: list[PathSample]) -> dict:
