@@ -18,7 +18,7 @@ def cluster():
 
 
 def test_two_steps_run_each_stage_only_on_its_pool(cluster, tmp_path, tiny_overrides):
-    cfg = load_config(None, tiny_overrides)
+    cfg = load_config(None, tiny_overrides + ["rl.eval_every=1"])
     with Client(cluster) as client:
         pools = check_pools(client)
         client.get_task_stream()  # the first call installs the scheduler's task-stream recorder
