@@ -248,8 +248,10 @@ def _split(text: str) -> tuple[int, int]:
 @click.option("--split", "splits", multiple=True, metavar="R:T", help="async split the oracle tries (repeatable).")
 @click.option("--steps", type=int, help="Override the workload's number of steps.")
 @click.option("--time-scale", type=float, help="Override emulated seconds per wall second.")
+@click.option("--execution-workers", type=click.IntRange(1), default=2, show_default=True,
+              help="Worker processes the executions are spread over (one event loop each).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
-def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, json_path) -> None:
+def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, execution_workers, json_path) -> None:
     """Every placement mode on one workload, with the emulated cost model (see README)."""
     import dataclasses
     import json
@@ -288,7 +290,8 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, js
         workload = dataclasses.replace(workload, time_scale=time_scale)
     console.print(f"workload {workload.name}: {workload.cells} cells, {workload.steps} steps, "
                   f"{workload.executions_per_step} executions per step, time scale x{workload.time_scale:g} (emulated)")
-    out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print)
+    out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print,
+                    execution_workers=execution_workers)
     console.print(format_placement(out))
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")

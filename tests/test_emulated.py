@@ -439,6 +439,6 @@ def test_runs_under_engine_runner_real_clock():
 
 def test_engine_factory_for_the_service():
     e = emulated_engine_factory({}, {}, 4, "tcp://cell:1", workload="flat")
-    assert (e.name, e.version, e.time_scale, e.max_batch) == ("tcp://cell:1", 4, 400.0, 32)
+    assert (e.name, e.version, e.time_scale, e.max_batch) == ("tcp://cell:1", 4, 100.0, 32)
     e2 = emulated_engine_factory(None, None, 0, "x", workload=COST, time_scale=50.0)
     assert e2.cost == COST and e2.time_scale == 50.0 and e2.request_ids() == []

@@ -29,6 +29,7 @@ Arms (``--modes``):
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import threading
@@ -99,6 +100,21 @@ def user_split(cells: int, rollout_s: float, train_s: float) -> tuple[int, int]:
     return cells - trainer, trainer
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds used so far by this process and every process it started (the cluster)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # ended meanwhile
+            pass
+    return total
+
+
 def _git_revision() -> str:
     root = Path(__file__).resolve().parents[2]
     try:
@@ -119,7 +135,8 @@ class _Run:
     """One arm on a fresh cluster: the step loop, the cell timeline, and what was measured."""
 
     def __init__(self, workload: Workload, mode_name: str, split: tuple[int, int], log, options: dict | None,
-                 shares_per_group: int) -> None:
+                 shares_per_group: int, execution_workers: int = 1) -> None:
+        self.execution_workers = execution_workers
         self.routing = RoutingOptions(max_batch=workload.cost.max_batch)
         self.w, self.mode, self.log = workload, placement_mode(mode_name), log
         self.mode_name = mode_name
@@ -134,11 +151,11 @@ class _Run:
         r, t = self.split
         held = w.max_cells - w.cells
         slots = max(w.at(k).executions_per_step for k in range(w.steps)) * (self.staleness + 2)
-        spec = PoolSpec(rollout=r, trainer=t, held=held, execution_slots=slots)
+        spec = PoolSpec(rollout=r, trainer=t, held=held, execution_slots=slots, execution_workers=self.execution_workers)
         timing, options = placement_timing(w)
         options = {k: v for k, v in options.items() if k in self.mode.options()} | (self.options or {})
         with local_cluster(spec) as cluster, Client(cluster) as client:
-            client.wait_for_workers(w.max_cells + 1)
+            client.wait_for_workers(w.max_cells + self.execution_workers)
             self.clock = Clock(scale=w.time_scale, origin=time.time())
             install(client, None, {"workload": w}, self.mode_name, options, engine_factory=emulated_engine_factory,
                     clock=self.clock, timing=timing, routing=self.routing)
@@ -148,6 +165,7 @@ class _Run:
             state = published = {"version": 0, "run": f"bench-{self.mode_name}"}
             self._publish(published, 0)
             self.t0 = time.time()
+            cpu0 = _cpu_seconds()
             events = threading.Thread(target=self._timeline, daemon=True, name="bench-timeline")
             events.start()
             in_flight: deque = deque()
@@ -166,6 +184,7 @@ class _Run:
             while in_flight:
                 updates.append(self._finish(in_flight.popleft()))
             wall = time.time() - self.t0
+            self.cpu_load = (_cpu_seconds() - cpu0) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
             self._stop = True
             events.join(timeout=60)
             client.sync(client.scheduler.gyreflow_placement, mode="async")  # no move while the cluster closes
@@ -239,6 +258,7 @@ class _Run:
             "mode": self.mode_name,
             "split": f"{self.split[0]}:{self.split[1]}",
             "wall_s": wall,
+            "cpu_load": self.cpu_load,
             "emulated_s": emulated,
             "utilization": (engine_busy + train_busy) / w.cell_seconds(emulated) if emulated else 0.0,
             "moves": status["moves"],
@@ -263,9 +283,9 @@ class _Run:
 
 
 def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=print, options: dict | None = None,
-            shares_per_group: int = 8) -> dict:
+            shares_per_group: int = 8, execution_workers: int = 1) -> dict:
     """One placement mode at one start split on a fresh cluster; the run's figures."""
-    return _Run(workload, mode_name, split, log, options, shares_per_group).run()
+    return _Run(workload, mode_name, split, log, options, shares_per_group, execution_workers).run()
 
 
 # ---------------------------------------------------------------------------------------- the benchmark
@@ -276,7 +296,7 @@ def _spread(values: list[float]) -> dict:
 
 
 def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tuple[int, int]] | None = None,
-              log=print) -> dict:
+              log=print, execution_workers: int = 2) -> dict:
     """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""
     cells = workload.cells
     candidates = splits or default_splits(cells)
@@ -292,7 +312,7 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
             key = (mode_name, split)
             if key not in done:
                 log(f"{arm} ({mode_name} {split[0]}:{split[1]}) ...")
-                done[key] = run_arm(workload, mode_name, split, log)
+                done[key] = run_arm(workload, mode_name, split, log, execution_workers=execution_workers)
             out = done[key] | {"repeat": rep, "arm": arm}
             runs.append(out)
             return out
@@ -303,7 +323,7 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
         elif calibration is None and set(arms) & {"async_user", "lend", "elastic"}:
             # the user's first step: one step on all cells, rollouts then training
             log("calibration: the first step, colocated ...")
-            first = run_arm(_one_step(workload), "colocated", (cells, 0), log)
+            first = run_arm(_one_step(workload), "colocated", (cells, 0), log, execution_workers=execution_workers)
             calibration = first["first_step"]
         user = user_split(cells, calibration["rollout_s"], calibration["train_s"]) if calibration else None
         if "async_user" in arms:
@@ -319,7 +339,9 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
             once("lend", user)
         if "elastic" in arms:
             once("elastic", user)
-    return summarise(workload, runs, repeats, candidates, calibration, log)
+    out = summarise(workload, runs, repeats, candidates, calibration, log)
+    out["options"]["execution_workers"] = execution_workers
+    return out
 
 
 def _one_step(workload: Workload) -> Workload:
@@ -357,7 +379,7 @@ def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, ca
         xs = list(reps.values())
         out["modes"][arm] = {"split": xs[0]["split"], "mode": xs[0]["mode"],
                              **{k: _spread([x[k] for x in xs]) for k in ("emulated_s", "wall_s", "utilization", "moves",
-                                                                         "migrations")},
+                                                                         "migrations", "cpu_load")},
                              "max_staleness": max(x["max_staleness"] for x in xs),
                              "executions": xs[0]["executions"], "unique_executions": min(x["unique_executions"] for x in xs),
                              "tokens": xs[0]["tokens"]}

@@ -24,10 +24,12 @@ def _pm(s: dict, fmt: str = ",.0f") -> str:
 def format_placement(out: dict) -> str:
     """The benchmark's figures for a terminal."""
     lines = [f"\nworkload {out['workload']}: {out['repeats']} repeat(s), git {out['git']}",
-             f"{'arm':<13} {'split':>6} {'emulated s (min-max)':>30} {'wall s':>8} {'util':>5} {'moves':>6} {'migr':>6}"]
+             f"{'arm':<13} {'split':>6} {'emulated s (min-max)':>30} {'wall s':>8} {'util':>5} {'moves':>6} {'migr':>6} "
+             f"{'cpu':>5}"]
     for arm, m in out["modes"].items():
         lines.append(f"{arm:<13} {m['split']:>6} {_pm(m['emulated_s']):>30} {m['wall_s']['mean']:8.1f} "
-                     f"{m['utilization']['mean']:5.2f} {m['moves']['mean']:6.0f} {m['migrations']['mean']:6.0f}")
+                     f"{m['utilization']['mean']:5.2f} {m['moves']['mean']:6.0f} {m['migrations']['mean']:6.0f} "
+                     f"{m.get('cpu_load', {}).get('max', float('nan')):5.2f}")
     if out.get("oracle_splits"):
         tried = ", ".join(f"{k}: {v['mean']:,.0f} s" for k, v in out["oracle_splits"].items())
         lines.append(f"async splits tried (emulated, mean): {tried}; oracle {out['oracle_split']}")

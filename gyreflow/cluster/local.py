@@ -36,6 +36,10 @@ class PoolSpec:
     rollout: int = 1
     trainer: int = 1
     execution_slots: int = 64
+    """Executions at once, over all execution workers."""
+    execution_workers: int = 1
+    """Worker processes for the executions (each an event loop of its own; the slots are shared
+    out evenly)."""
     dashboard_address: str = "127.0.0.1:0"
     cell_threads: int = 2
     """Task threads per cell: one for a trainer task, one for weight publication and the like."""
@@ -61,7 +65,7 @@ def worker_config(spec: PoolSpec) -> dict:
 
 def local_cluster(spec: PoolSpec) -> SpecCluster:
     """A cluster of worker processes with per-worker resources: one per rollout, trainer and held
-    cell (``cell-0``, ``cell-1``, ... in that order), and one execution worker whose threads are the
+    cell (``cell-0``, ``cell-1``, ... in that order), and execution workers whose threads are the
     execution slots."""
     workers = {}
     config = worker_config(spec)
@@ -71,11 +75,10 @@ def local_cluster(spec: PoolSpec) -> SpecCluster:
         res = {ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)}
         workers[f"cell-{i}"] = {"cls": Nanny, "options": {"nthreads": spec.cell_threads, "resources": res, "name": f"cell-{i}",
                                                            "config": config}}
-    workers["execution-0"] = {
-        "cls": Nanny,
-        "options": {"nthreads": spec.execution_slots, "resources": {EXECUTION: spec.execution_slots}, "name": "execution-0",
-                    "config": config},
-    }
+    for k in range(spec.execution_workers):
+        slots = spec.execution_slots // spec.execution_workers + (k < spec.execution_slots % spec.execution_workers)
+        workers[f"execution-{k}"] = {"cls": Nanny, "options": {"nthreads": slots, "resources": {EXECUTION: slots},
+                                                              "name": f"execution-{k}", "config": config}}
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": spec.dashboard_address, "host": "127.0.0.1"}}
     # Ctrl-C in a terminal reaches the whole process group; worker processes inherit an ignored
     # SIGINT so that only the driver handles it and shuts the cluster down in order.
