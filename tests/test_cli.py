@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import zarr
 
@@ -155,3 +156,33 @@ def test_bench_placement_bad_input(tmp_path):
     bad.write_text(json.dumps({"name": "w"}))
     p = invoke("bench", "placement", "--workload", str(bad))
     assert p.returncode == 2 and "w.json" in p.stderr
+
+
+def test_placement_tables_from_benchmark_json(tmp_path):
+    """The README tables come from the benchmark's JSON: every arm's mean, every ratio, the bounds
+    and the time scale, written between the markers and nowhere else."""
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "placement-grow.json"
+    out = json.loads(src.read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- placement-tables:start -->\nold\n<!-- placement-tables:end -->\ntail\n")
+    p = invoke("bench", "placement-tables", str(src), "--update", str(readme))
+    assert p.returncode == 0, p.stderr
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- placement-tables:start -->\n") and text.endswith("<!-- placement-tables:end -->\ntail\n")
+    assert "old" not in text
+    for arm, m in out["modes"].items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| {out['workload']} | {arm} |"))
+        assert f"{round(m['emulated_s']['mean']):,}" in row and m["split"] in row
+    elastic_vs_oracle = out["ratios"]["elastic_vs_async_oracle"]
+    assert f"{elastic_vs_oracle['mean']:.2f} ({elastic_vs_oracle['min']:.2f}–{elastic_vs_oracle['max']:.2f})" in text
+    assert f"| time scale, execution workers | x{out['time_scale']:g}," in text
+
+    missing = tmp_path / "plain.md"
+    missing.write_text("no markers\n")
+    p = invoke("bench", "placement-tables", str(src), "--update", str(missing))
+    assert p.returncode == 2 and "placement-tables:start" in p.stderr
+    assert missing.read_text() == "no markers\n"
+    notjson = tmp_path / "x.json"
+    notjson.write_text(json.dumps({"workload": "w"}))
+    p = invoke("bench", "placement-tables", str(notjson))
+    assert p.returncode == 2 and "not a placement benchmark JSON" in p.stderr

@@ -62,6 +62,8 @@ def markdown_tables(outs: list[dict]) -> str:
               "| --- | " + " | ".join("---:" for _ in outs) + " |",
               "| lower bound | " + " | ".join(f"{o['lower_bound_s']:,.0f}" for o in outs) + " |",
               "| batching-aware bound | " + " | ".join(f"{o['batched_bound_s']:,.0f}" for o in outs) + " |",
+              "| time scale, execution workers | " + " | ".join(
+                  f"x{o['time_scale']:g}, {o['options'].get('execution_workers', 1)}" for o in outs) + " |",
               "| repeats, git | " + " | ".join(f"{o['repeats']}, `{o['git'][:12]}`" for o in outs) + " |"]
     return "\n".join(lines)
 
