@@ -383,10 +383,12 @@ class EngineTests:
         assert engine.stats()["live"] == 0
 
     def test_runner_moves_live_request(self, model, model_b):
-        # Long enough that the export lands mid-flight even on a slow, busy box.
-        target = req("long", 12, 24, temperature=1.0, max_tokens=240)
-        reference = generate(self.make_engine(model), [target])[0]
-        src, dst = self.make_engine(model, name="src"), self.make_engine(model, name="dst")
+        # Long enough (seconds of decoding) that the export lands mid-flight even when this thread
+        # is descheduled for a while on a slow, busy box.
+        target = req("long", 12, 24, temperature=1.0, max_tokens=1000)
+        reference = generate(self.make_engine(model, max_seq_len=1024), [target])[0]
+        src = self.make_engine(model, name="src", max_seq_len=1024)
+        dst = self.make_engine(model, name="dst", max_seq_len=1024)
         with EngineRunner(src) as a, EngineRunner(dst):
             fut = a.submit(target)
             deadline = time.monotonic() + 30

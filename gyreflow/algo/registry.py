@@ -11,13 +11,14 @@ Each registry holds functions of one signature, so callers dispatch by config st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
-F = TypeVar("F", bound=Callable[..., Any])
+from gyreflow.registry import Registry
+
+if TYPE_CHECKING:  # annotations only: importing the registries does not load torch
+    import torch
 
 
 class AdvantageFn(Protocol):
@@ -41,62 +42,6 @@ class LossFn(Protocol):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Map per-token tensors ``(N,)`` to a scalar loss and float metrics."""
         ...
-
-
-class Registry(Generic[F]):
-    """A named set of functions of one signature.
-
-    Parameters
-    ----------
-    kind
-        What the registry holds, used in error messages (``"advantage estimator"``).
-    """
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._fns: dict[str, F] = {}
-
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator that registers a function under ``name``.
-
-        Raises
-        ------
-        ValueError
-            If ``name`` is already taken: silent replacement would make dispatch depend on
-            import order.
-        """
-
-        def decorator(fn: F) -> F:
-            if name in self._fns:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._fns[name] = fn
-            return fn
-
-        return decorator
-
-    def get(self, name: str) -> F:
-        """The function registered as ``name``.
-
-        Raises
-        ------
-        ValueError
-            For an unknown name; the message lists the allowed names.
-        """
-        try:
-            return self._fns[name]
-        except KeyError:
-            allowed = ", ".join(repr(n) for n in self.names())
-            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {allowed}") from None
-
-    def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._fns)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._fns
-
-    def __repr__(self) -> str:
-        return f"Registry({self.kind!r}, names={self.names()})"
 
 
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gyreflow.algo.registry import Registry
+from gyreflow.registry import Registry
 from gyreflow.cluster.placement import ColocatedPolicy, ElasticPolicy, LendPolicy, PlacementPolicy, StaticPolicy
 
 

@@ -32,7 +32,6 @@ import time
 from typing import Callable
 
 import numpy as np
-import torch
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from gyreflow.engine.base import RequestExported
@@ -99,6 +98,8 @@ class EngineService(WorkerPlugin):
         self.worker = worker
         self._migrating = asyncio.Lock()
         if self.torch_threads:
+            import torch  # here, not at the top: a cell of an emulated engine never loads torch
+
             torch.set_num_threads(self.torch_threads)
         if "rollout" in worker.state.total_resources:  # a cell: it serves while in the rollout pool
             self.accepting = worker.state.total_resources["rollout"] > 0

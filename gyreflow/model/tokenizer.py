@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:  # loaded where a tokenizer is made: the chat format's ids need no transformers
+    from transformers import PreTrainedTokenizerFast
 
 PAD, END, SYSTEM, USER, ASSISTANT, TOOL = (
     "<|pad|>",
@@ -85,6 +85,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     PreTrainedTokenizerFast
         ids 0..255 are bytes, 256.. are :data:`SPECIAL_TOKENS`; ``eos_token`` is ``<|end|>``.
     """
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
     alias = _bytes_to_unicode()
     vocab = {alias[b]: b for b in range(256)}
     for i, tok in enumerate(SPECIAL_TOKENS):
@@ -105,4 +109,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load a tokenizer saved next to a checkpoint (``save_pretrained`` format)."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast.from_pretrained(str(path))

@@ -8,13 +8,16 @@ last (cells join and leave the trainer pool at run time).
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from distributed.diagnostics.plugin import WorkerPlugin
-from transformers import LlamaConfig, LlamaForCausalLM
+from typing import TYPE_CHECKING
 
-from gyreflow.model.policy import load_state_dict_numpy
-from gyreflow.train.trainer import OptimConfig, Trainer
+import numpy as np
+from distributed.diagnostics.plugin import WorkerPlugin
+
+if TYPE_CHECKING:
+    from gyreflow.train.trainer import OptimConfig, Trainer
+
+# torch, transformers and the trainer are imported where they are used: a worker registers this
+# plugin at start-up, and cells whose training is emulated (the placement benchmark) never load them.
 
 PLUGIN_NAME = "gyreflow-trainer"
 
@@ -34,9 +37,16 @@ class TrainerService(WorkerPlugin):
 
     async def setup(self, worker) -> None:
         if self.torch_threads:
+            import torch
+
             torch.set_num_threads(self.torch_threads)
 
     def init(self, hf_config: dict, weights: dict[str, np.ndarray], optim: OptimConfig, version: int) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from gyreflow.model.policy import load_state_dict_numpy
+        from gyreflow.train.trainer import Trainer
+
         model = LlamaForCausalLM(LlamaConfig(**hf_config))
         load_state_dict_numpy(model, weights)
         model.eval()
@@ -51,6 +61,10 @@ class TrainerService(WorkerPlugin):
     def at(self, published: dict) -> Trainer:
         """The replica at ``published`` weights (``hf_config``, ``weights``, ``version``, ``optim``,
         ``run``), loading them only when the cell does not hold that version of that run yet."""
+        from transformers import LlamaConfig
+
+        from gyreflow.model.policy import load_state_dict_numpy
+
         key = (published["run"], published["version"])
         if self.trainer is None or (self.run, self.trainer.version) != key:
             if self.trainer is None or self.trainer.model.config.to_dict() != LlamaConfig(**published["hf_config"]).to_dict():
@@ -65,6 +79,8 @@ class TrainerService(WorkerPlugin):
     def resume(self, state: dict) -> Trainer:
         """The replica at ``state`` with the optimizer state that goes with it (``state["optimizer"]``
         is a state dict, or ``None`` for a fresh optimizer)."""
+        import torch
+
         trainer = self.at(state)
         if self.optimizer_of != (state["run"], state["version"]):
             trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=trainer.cfg.lr,
