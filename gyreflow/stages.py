@@ -61,8 +61,7 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: 
     else:
         model = build_policy(cfg.model, seed=cfg.rl.seed)
         demos = task_source(cfg).demonstrations()
-        samples = [PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, 0.0)
-                   for d in demos for p in build_tree(d).paths()]
+        samples = [PathSample.of(p, 0.0) for d in demos for p in build_tree(d).paths()]
         trainer = Trainer(model, cfg.optim)
         rng = np.random.default_rng(cfg.rl.seed)
         threads = torch.get_num_threads()
@@ -130,7 +129,7 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str) -> dict:
     rewards = np.array([t.reward for t in trees], dtype=np.float64)  # (G,)
     adv = ADVANTAGES.get(estimator)(rewards)  # (G,)
     samples = [
-        PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, float(a))
+        PathSample.of(p, a)
         for t, a in zip(trees, adv)
         for p in t.paths()
     ]
@@ -160,8 +159,8 @@ def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str,
     weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
     mid-step takes shares too."""
     trainer = get_worker().plugins[TRAINER_PLUGIN].at(published)
-    trainable = [s for s in group["samples"] if s.trained.any()]
-    samples = [trainable[i] for i in partition([int(s.trained.sum()) for s in trainable], shares)[j]]
+    trainable = [s for s in group["samples"] if s.n_trained]
+    samples = [trainable[i] for i in partition([s.n_trained for s in trainable], shares)[j]]
     t0 = time.time()
     out = trainer.gradients(samples, loss, **loss_kwargs)
     out["train_s"] = time.time() - t0

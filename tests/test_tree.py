@@ -50,23 +50,24 @@ def _seq(call: CallRecord) -> list[int]:
     return [*call.prompt_ids.tolist(), *call.completion_ids.tolist()]
 
 
-def _check_sampled_once(calls: list[CallRecord], tree: TrajectoryTree) -> None:
-    """Every sampled token of every call is trained exactly once, with the first sampler's data."""
-    expected: dict[tuple[int, ...], tuple[float, int]] = {}
-    for call in sorted(calls, key=lambda c: c.call_index):
+def _check_sampled_once(calls: list[CallRecord], tree: TrajectoryTree, leaves=None) -> None:
+    """Every sample of every call (each sampled token at its context, once per call that sampled
+    it) is trained exactly once over the paths, with that call's own log-prob and version."""
+    expected: Counter = Counter()
+    for call in calls:
         seq, p = _seq(call), len(call.prompt_ids)
         for j in range(len(call.completion_ids)):
-            key = tuple(seq[: p + j + 1])
-            expected.setdefault(key, (float(call.logprobs[j]), int(call.versions[j])))
+            expected[(tuple(seq[: p + j + 1]), float(call.logprobs[j]), int(call.versions[j]))] += 1
     trained: Counter = Counter()
-    for path in tree.paths():
+    for path in tree.paths(leaves):
         toks = path.tokens.tolist()
         for i in np.flatnonzero(path.loss_mask):
-            key = tuple(toks[: i + 1])
-            trained[key] += 1
-            assert (float(path.logprobs[i]), int(path.versions[i])) == expected[key]
-    assert set(trained) == set(expected)
-    assert all(n == 1 for n in trained.values())
+            trained[(tuple(toks[: i + 1]), float(path.logprobs[i]), int(path.versions[i]))] += 1
+        for i, lp, v in zip(path.extra_pos.tolist(), path.extra_logprobs.tolist(), path.extra_versions.tolist()):
+            assert path.loss_mask[i], "an extra sample of a token the path does not train"
+            trained[(tuple(toks[: i + 1]), float(lp), int(v))] += 1
+    assert trained == expected
+    assert tree.n_samples == sum(len(c.completion_ids) for c in calls) == sum(p.n_trained for p in tree.paths(leaves))
 
 
 # ------------------------------------------------------------------------------------- chain
@@ -171,9 +172,9 @@ def test_paths_subset_reassigns_ownership() -> None:
 # ---------------------------------------------------------------------------- duplicates etc.
 
 
-def test_identical_retry_adds_nothing() -> None:
+def test_identical_retry_adds_samples_not_tokens() -> None:
     calls = _chain_calls()
-    retry = _call(3, calls[1].prompt_ids, calls[1].completion_ids, logprobs=[-9.0, -9.0])
+    retry = _call(3, calls[1].prompt_ids, calls[1].completion_ids, logprobs=[-9.0, -8.0], versions=[5, 6])
     base = build_tree(_result(calls))
     tree = build_tree(_result(calls + [retry]))
     assert tree.n_nodes == base.n_nodes and tree.unique_tokens == base.unique_tokens
@@ -181,6 +182,50 @@ def test_identical_retry_adds_nothing() -> None:
     a, b = base.to_arrays()[0], tree.to_arrays()[0]
     for name in ("tokens", "sampled", "logprobs", "versions", "node_offsets", "node_parent"):
         np.testing.assert_array_equal(a[name], b[name])  # first sampler's log-probs kept
+    # The two tokens call 1 sampled were sampled again: counted twice, the retry's own data kept.
+    assert b["extra_index"].tolist() == [10, 11] and len(a["extra_index"]) == 0
+    assert b["extra_logprobs"].tolist() == [-9.0, -8.0] and b["extra_versions"].tolist() == [5, 6]
+    assert tree.sample_counts()[[10, 11]].tolist() == [2, 2]
+    assert tree.n_samples == base.n_samples + 2 == 11
+    (path,) = tree.paths()
+    assert path.extra_pos.tolist() == [10, 11] and path.n_trained == 11
+    _check_sampled_once(calls + [retry], tree)
+
+
+def test_looping_agent_after_compaction_counts_every_sample() -> None:
+    """An agent that compacts and then repeats the same wrong call: every repeat is a sample."""
+    go = [70, 71, 72]
+    calls, context = [], SYSTEM + [60]
+    for i in range(6):
+        calls.append(_call(i, context, go))
+        # compaction every second call: back to the same summary, so the same context recurs
+        context = context + go + [80] if i % 2 == 0 else SYSTEM + [60]
+    tree = build_tree(_result(calls))
+    assert tree.n_samples == 18  # 6 calls x 3 sampled tokens
+    first = [p for p in tree.paths() if p.tokens.tolist()[:9] == SYSTEM + [60] + go]
+    counts = tree.sample_counts()
+    assert sorted(counts[counts > 0].tolist()) == [3, 3, 3, 3, 3, 3]
+    assert first and sum(p.n_trained for p in tree.paths()) == 18
+    _check_sampled_once(calls, tree)
+
+
+def test_best_of_n_and_sub_agents_on_one_prompt() -> None:
+    prompt = [1, 2, 3]
+    calls = [
+        _call(0, prompt, [7, 8, 9]), _call(1, prompt, [7, 8, 9]), _call(2, prompt, [7, 8, 10]),
+        _call(3, prompt, [7, 11]), _call(4, prompt, [7, 8, 9], role="subagent"),
+    ]
+    tree = build_tree(_result(calls))
+    assert tree.n_leaves == 3 and tree.n_samples == 14
+    counts = dict(zip(map(int, tree.tokens), tree.sample_counts().tolist()))
+    assert counts[7] == 5 and counts[8] == 4 and counts[9] == 3 and counts[10] == 1 and counts[11] == 1
+    _check_sampled_once(calls, tree)
+    # any subset of leaves, in any order, still trains the samples of the nodes it covers once
+    for leaves in ([2], [1, 0], [2, 0, 1]):
+        sub = tree.paths(leaves)
+        covered = sum(p.n_trained for p in sub)
+        assert covered == sum(int(tree.sample_counts()[tree.node_offsets[n]:tree.node_offsets[n + 1]].sum())
+                              for n in {int(n) for p in sub for n in p.nodes})
 
 
 def test_prefix_call_adds_nothing() -> None:
@@ -236,7 +281,8 @@ def test_arrays_round_trip() -> None:
     assert (back.execution_id, back.task_id, back.reward) == ("e0", "t0", 0.5)
     assert (back.total_tokens, back.n_calls, back.roles) == (tree.total_tokens, 4, tree.roles)
     for p, q in zip(tree.paths(), back.paths(), strict=True):
-        for name in ("tokens", "sampled", "logprobs", "versions", "owned", "nodes"):
+        for name in ("tokens", "sampled", "logprobs", "versions", "owned", "nodes", "extra_pos", "extra_logprobs",
+                     "extra_versions"):
             np.testing.assert_array_equal(getattr(p, name), getattr(q, name))
         assert (p.role, p.call_index, p.leaf) == (q.role, q.call_index, q.leaf)
 
@@ -248,6 +294,16 @@ def test_from_arrays_rejects_bad_structure() -> None:
         TrajectoryTree.from_arrays(bad, meta)
     with pytest.raises(ValueError, match="missing"):
         TrajectoryTree.from_arrays({"tokens": arrays["tokens"]}, meta)
+    extra = {"extra_index": np.array([0]), "extra_logprobs": np.array([-1.0]), "extra_versions": np.array([0])}
+    with pytest.raises(ValueError, match="not sampled"):  # token 0 is prompt text
+        TrajectoryTree.from_arrays(arrays | extra, meta)
+    with pytest.raises(ValueError, match="ascending"):
+        TrajectoryTree.from_arrays(arrays | extra | {"extra_index": np.array([99])}, meta)
+    with pytest.raises(ValueError, match="differ in length"):
+        TrajectoryTree.from_arrays(arrays | extra | {"extra_versions": np.array([0, 1])}, meta)
+    # a tree stored before extra samples existed reads as having none
+    old = {k: v for k, v in arrays.items() if not k.startswith("extra_")}
+    assert TrajectoryTree.from_arrays(old, meta).n_samples == 9
 
 
 # --------------------------------------------------------------------- randomized vs reference

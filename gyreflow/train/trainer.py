@@ -57,7 +57,7 @@ class Trainer:
         sums: dict[str, float] = {}
         total = 0
         for mb in batches:
-            n = float(mb.loss_mask.sum())
+            n = float(mb.n_trained)
             if n == 0:
                 continue
             loss, metrics = loss_of(mb)
@@ -95,7 +95,7 @@ class Trainer:
     def _apply(self, batches: list[MicroBatch], loss_of) -> dict:
         """One optimizer step over ``batches``; ``loss_of(mb) -> (token-mean loss, metrics)``."""
         self.model.train()
-        total = sum(float(mb.loss_mask.sum()) for mb in batches)
+        total = sum(float(mb.n_trained) for mb in batches)
         if total == 0:
             self.model.eval()
             return {"trained_tokens": 0}
@@ -116,15 +116,14 @@ class Trainer:
         T = self.cfg.temperature
 
         def loss_of(mb: MicroBatch):
-            lp = token_logprobs(self.model, mb, T)  # (B, L-1)
-            m = mb.loss_mask.bool()
-            return loss_fn(lp[m], mb.old_logprobs[m], mb.advantages[m], mb.loss_mask[m], **loss_kwargs)
+            lp, old, adv = mb.flat(token_logprobs(self.model, mb, T))  # (N,) each, one per sample
+            return loss_fn(lp, old, adv, torch.ones_like(lp), **loss_kwargs)
 
         return loss_of
 
     @staticmethod
     def _oldest(samples: list[PathSample]) -> int | None:
-        versions = [s.versions[s.trained] for s in samples if s.trained.any()]
+        versions = [v for v in (s.trained_versions() for s in samples) if len(v)]
         return int(min(v.min() for v in versions)) if versions else None
 
     def gradients(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
@@ -195,9 +194,8 @@ class Trainer:
         """One supervised step: mean negative log-likelihood of the trained tokens."""
 
         def loss_of(mb: MicroBatch):
-            lp = token_logprobs(self.model, mb)  # (B, L-1)
-            m = mb.loss_mask
-            nll = -(lp * m).sum() / m.sum()
+            lp, _, _ = mb.flat(token_logprobs(self.model, mb))  # (N,)
+            nll = -lp.mean()
             return nll, {"nll": float(nll.detach())}
 
         out = self._apply(pack(samples, self.cfg.micro_batch_tokens), loss_of)

@@ -11,7 +11,10 @@ of tokens with a single continuation):
 
 A token is sampled if any call sampled it at that position after that prefix; the first call to
 sample it provides its log-prob and version. This matters because an agent's completion reappears
-verbatim as prompt text in its next call, where it must stay trainable.
+verbatim as prompt text in its next call, where it must stay trainable. Every further call that
+sampled the same token after the same prefix (a looping agent after compaction, best-of-n, sub-agents
+on one prompt) is kept as an *extra sample* of that token, with its own log-prob and version: the
+loss counts a token once per sample, exactly as training every call on its own would.
 
 In the usual agent loop each prompt is the previous prompt + completion + a tool message, so the
 tree is a single chain and the whole execution trains as one sequence. Context compaction, retries
@@ -26,7 +29,7 @@ The tree's canonical form is flat arrays in depth-first pre-order (see
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +45,16 @@ _ARRAY_DTYPES: dict[str, type] = {
     "node_role": np.int32,
     "node_call": np.int32,
 }
+_EXTRA_DTYPES: dict[str, type] = {
+    "extra_index": np.int64,
+    "extra_logprobs": np.float32,
+    "extra_versions": np.int32,
+}
+
+
+_EMPTY_I64 = np.zeros(0, np.int64)
+_EMPTY_F32 = np.zeros(0, np.float32)
+_EMPTY_I32 = np.zeros(0, np.int32)
 
 
 @dataclass
@@ -60,11 +73,21 @@ class TreePath:
     """Role of the call whose sequence ends at this leaf (the last one to extend it)."""
     call_index: int
     """``call_index`` of that call."""
+    # Further samples of owned tokens (see the module docstring): position in the path, behaviour
+    # log-prob, weights version; a position appears once per extra sample.
+    extra_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (E,) int64
+    extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
+    extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,) int32
 
     @property
     def loss_mask(self) -> np.ndarray:
         """``(L,)`` bool: tokens this path trains, ``sampled & owned``."""
         return self.sampled & self.owned
+
+    @property
+    def n_trained(self) -> int:
+        """Samples this path trains: one per trained token plus its extra samples."""
+        return int(self.loss_mask.sum()) + len(self.extra_pos)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -73,7 +96,7 @@ class TreePath:
 class _Node:
     """A mutable trie node used while building: a run of tokens in growable buffers."""
 
-    __slots__ = ("tokens", "sampled", "logprobs", "versions", "n", "children", "role", "call")
+    __slots__ = ("tokens", "sampled", "logprobs", "versions", "n", "children", "role", "call", "extras")
 
     def __init__(
         self,
@@ -93,6 +116,8 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.role = role
         self.call = call
+        # Further samples of tokens already sampled here: (position in the node, log-prob, version).
+        self.extras: list[tuple[int, float, int]] = []
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         n = self.n
@@ -122,10 +147,13 @@ class _Node:
     ) -> None:
         """Mark the first ``k`` tokens sampled where the incoming call sampled them.
 
-        Tokens already sampled keep their log-prob and version (first sampler wins).
+        Tokens already sampled keep their log-prob and version (first sampler wins); the incoming
+        call's samples of them become extra samples.
         """
         if not sampled.any():
             return
+        again = np.flatnonzero(sampled & self.sampled[:k])  # (r,)
+        self.extras.extend((int(i), float(logprobs[i]), int(versions[i])) for i in again)
         new = sampled & ~self.sampled[:k]  # (k,)
         if new.any():
             self.sampled[:k] |= new
@@ -137,6 +165,8 @@ class _Node:
         t, s, lp, v = self.arrays()
         tail = _Node(t[k:], s[k:], lp[k:], v[k:], self.role, self.call)
         tail.children = self.children
+        tail.extras = [(i - k, x, y) for i, x, y in self.extras if i >= k]
+        self.extras = [e for e in self.extras if e[0] < k]
         # Copy the head too, so a long node's buffer is not kept alive at full capacity.
         self.tokens, self.sampled = t[:k].copy(), s[:k].copy()
         self.logprobs, self.versions = lp[:k].copy(), v[:k].copy()
@@ -231,6 +261,10 @@ class TrajectoryTree:
     node_role: np.ndarray  # (n_nodes,) int32 index into ``roles``
     node_call: np.ndarray  # (n_nodes,) int32, call_index of the call that created/last extended it
     roles: list[str]
+    # Further samples of sampled tokens: token index (ascending), behaviour log-prob, version.
+    extra_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (E,) int64
+    extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
+    extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,) int32
 
     def __post_init__(self) -> None:
         n = len(self.node_parent)
@@ -247,6 +281,13 @@ class TrajectoryTree:
             raise ValueError("node_parent must point to an earlier node (pre-order)")
         if n and (self.node_role.min() < 0 or self.node_role.max() >= len(self.roles)):
             raise ValueError("node_role out of range of roles")
+        e = len(self.extra_index)
+        if len(self.extra_logprobs) != e or len(self.extra_versions) != e:
+            raise ValueError("extra sample arrays differ in length")
+        if e and (np.any(np.diff(self.extra_index) < 0) or self.extra_index[0] < 0 or self.extra_index[-1] >= u):
+            raise ValueError("extra_index must be ascending token indices")
+        if e and not self.sampled[self.extra_index].all():
+            raise ValueError("an extra sample points to a token that is not sampled")
         has_child = np.zeros(n, dtype=np.bool_)
         parents = self.node_parent[self.node_parent >= 0]
         has_child[parents] = True
@@ -266,6 +307,17 @@ class TrajectoryTree:
     def unique_tokens(self) -> int:
         """Tokens stored in the trie: what training the tree costs."""
         return len(self.tokens)
+
+    @property
+    def n_samples(self) -> int:
+        """Sampled tokens counted once per call that sampled them: what the loss averages over."""
+        return int(self.sampled.sum()) + len(self.extra_index)
+
+    def sample_counts(self) -> np.ndarray:
+        """``(U,)`` int32: how many calls sampled each token (0 for context)."""
+        counts = self.sampled.astype(np.int32)
+        np.add.at(counts, self.extra_index, 1)
+        return counts
 
     @property
     def leaves(self) -> np.ndarray:
@@ -319,6 +371,15 @@ class TrajectoryTree:
             nodes = self._node_path(int(self._leaves[leaf]))
             spans = [slice(self.node_offsets[i], self.node_offsets[i + 1]) for i in nodes]
             owned = [np.full(s.stop - s.start, owner[i] == pos) for i, s in zip(nodes, spans)]
+            extra_pos, extra_lp, extra_v = [], [], []
+            at = 0  # position of the span's first token in the path
+            for i, sp in zip(nodes, spans):
+                if owner[i] == pos:
+                    a, b = np.searchsorted(self.extra_index, [sp.start, sp.stop])
+                    extra_pos.append(self.extra_index[a:b] - sp.start + at)
+                    extra_lp.append(self.extra_logprobs[a:b])
+                    extra_v.append(self.extra_versions[a:b])
+                at += sp.stop - sp.start
             leaf_node = nodes[-1]
             out.append(
                 TreePath(
@@ -331,6 +392,9 @@ class TrajectoryTree:
                     leaf=leaf,
                     role=self.roles[int(self.node_role[leaf_node])],
                     call_index=int(self.node_call[leaf_node]),
+                    extra_pos=np.concatenate(extra_pos).astype(np.int64) if extra_pos else _EMPTY_I64,
+                    extra_logprobs=np.concatenate(extra_lp).astype(np.float32) if extra_lp else _EMPTY_F32,
+                    extra_versions=np.concatenate(extra_v).astype(np.int32) if extra_v else _EMPTY_I32,
                 )
             )
         return out
@@ -344,12 +408,14 @@ class TrajectoryTree:
         -------
         arrays
             ``tokens``, ``sampled``, ``logprobs``, ``versions`` (U,); ``node_offsets``
-            (n_nodes + 1,); ``node_parent``, ``node_role``, ``node_call`` (n_nodes,).
+            (n_nodes + 1,); ``node_parent``, ``node_role``, ``node_call`` (n_nodes,);
+            ``extra_index``, ``extra_logprobs``, ``extra_versions`` (E,).
         meta
             ``execution_id``, ``task_id``, ``reward``, ``total_tokens``, ``n_calls``, ``roles``.
         """
         arrays = {
-            name: np.asarray(getattr(self, name), dtype=dt) for name, dt in _ARRAY_DTYPES.items()
+            name: np.asarray(getattr(self, name), dtype=dt)
+            for name, dt in (_ARRAY_DTYPES | _EXTRA_DTYPES).items()
         }
         meta = {
             "execution_id": self.execution_id,
@@ -363,11 +429,13 @@ class TrajectoryTree:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], meta: dict) -> TrajectoryTree:
-        """Inverse of :meth:`to_arrays`; validates the structure."""
+        """Inverse of :meth:`to_arrays`; validates the structure. Trees without extra-sample arrays
+        (written before they existed) read as having none."""
         missing = set(_ARRAY_DTYPES) - set(arrays)
         if missing:
             raise ValueError(f"missing tree arrays: {sorted(missing)}")
         cast = {name: np.asarray(arrays[name], dtype=dt) for name, dt in _ARRAY_DTYPES.items()}
+        cast |= {name: np.asarray(arrays.get(name, np.zeros(0, dt)), dtype=dt) for name, dt in _EXTRA_DTYPES.items()}
         return cls(
             execution_id=str(meta["execution_id"]),
             task_id=str(meta["task_id"]),
@@ -386,12 +454,16 @@ def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
     parent: list[int] = []
     role: list[int] = []
     call: list[int] = []
+    extras: list[tuple[int, float, int]] = []
+    at = 0
     # Iterative DFS: a chain of hundreds of branches must not hit the recursion limit.
     stack: list[tuple[_Node, int]] = [(n, -1) for n in reversed(root.values())]
     while stack:
         node, par = stack.pop()
         idx = len(parent)
         runs.append(node.arrays())
+        extras.extend((at + i, lp, v) for i, lp, v in node.extras)
+        at += node.n
         parent.append(par)
         role.append(roles.setdefault(node.role, len(roles)))
         call.append(node.call)
@@ -403,6 +475,8 @@ def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
     def cat(i: int, dtype: type) -> np.ndarray:
         return np.concatenate([r[i] for r in runs]) if runs else np.zeros(0, dtype=dtype)
 
+    extras.sort(key=lambda e: e[0])  # stable: samples of one token stay in call order
+
     return {
         "tokens": cat(0, np.int32),
         "sampled": cat(1, np.bool_),
@@ -413,6 +487,9 @@ def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
         "node_role": np.asarray(role, dtype=np.int32),
         "node_call": np.asarray(call, dtype=np.int32),
         "roles": list(roles),
+        "extra_index": np.asarray([e[0] for e in extras], dtype=np.int64),
+        "extra_logprobs": np.asarray([e[1] for e in extras], dtype=np.float32),
+        "extra_versions": np.asarray([e[2] for e in extras], dtype=np.int32),
     }
 
 
