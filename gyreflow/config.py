@@ -80,6 +80,10 @@ class RLConfig:
     """Seed of task choice and sampling."""
     eval_every: int = 8
     """Evaluate the held-out tasks after every this many steps, and after the last."""
+    j_max: int = 5
+    """Paths trained per execution at most, chosen by role priority (0: every path)."""
+    aggregation: str = "execution_mean"
+    """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``)."""
 
 
 @dataclass(frozen=True)
@@ -148,12 +152,16 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Refuse a configuration that cannot work; returns ``cfg`` unchanged when it can."""
-    from gyreflow.algo import ADVANTAGES, LOSSES
+    from gyreflow.algo import ADVANTAGES, AGGREGATIONS, LOSSES
 
     if cfg.rl.advantage not in ADVANTAGES:
         raise ConfigError(f"rl.advantage: unknown {cfg.rl.advantage!r}; allowed: {', '.join(ADVANTAGES.names())}")
     if cfg.rl.loss not in LOSSES:
         raise ConfigError(f"rl.loss: unknown {cfg.rl.loss!r}; allowed: {', '.join(LOSSES.names())}")
+    if cfg.rl.aggregation not in AGGREGATIONS:
+        raise ConfigError(f"rl.aggregation: unknown {cfg.rl.aggregation!r}; allowed: "
+                          f"{', '.join(AGGREGATIONS.names())}")
+    _positive("rl.j_max", cfg.rl.j_max, allow_zero=True)
     for name in ("steps", "tasks_per_step"):
         _positive(f"rl.{name}", getattr(cfg.rl, name))
     if cfg.rl.samples_per_task < 2:
@@ -171,14 +179,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("optim.lr", cfg.optim.lr)
     _positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     _positive("optim.micro_batch_tokens", cfg.optim.micro_batch_tokens)
-    _positive("optim.temperature", cfg.optim.temperature)
-    if cfg.agent.temperature != cfg.optim.temperature:
-        raise ConfigError(
-            f"agent.temperature ({cfg.agent.temperature}) must equal optim.temperature ({cfg.optim.temperature}): "
-            "behaviour log-probs are taken at the sampling temperature"
-        )
-    if not 0 < cfg.agent.top_p <= 1:
-        raise ConfigError(f"agent.top_p must be in (0, 1], got {cfg.agent.top_p}")
+    if not 0 < cfg.agent.temperature <= 2:
+        raise ConfigError(f"agent.temperature must be in (0, 2], got {cfg.agent.temperature}: a greedy call is not a "
+                          "sample and trains nothing")
+    if cfg.agent.top_p != 1:
+        raise ConfigError(f"agent.top_p must be 1, got {cfg.agent.top_p}: behaviour log-probs are those of the "
+                          "untruncated distribution, so a nucleus-sampled call trains nothing")
     _positive("agent.max_tokens_per_call", cfg.agent.max_tokens_per_call)
     _positive("agent.max_context_tokens", cfg.agent.max_context_tokens)
     from gyreflow.cluster.modes import PLACEMENTS

@@ -22,7 +22,7 @@ from gyreflow.agents.loop import AgentConfig, run_agent
 from gyreflow.agents.suite import SuiteTask
 from gyreflow.agents.sources import task_source
 from gyreflow.agents.tasks import Task
-from gyreflow.algo import ADVANTAGES
+from gyreflow.algo import ADVANTAGES, AGGREGATIONS
 from gyreflow.cluster.router import Router
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
@@ -124,16 +124,21 @@ def make_tree(result: ExecutionResult) -> TrajectoryTree:
     return build_tree(result)
 
 
-def group_advantages(trees: list[TrajectoryTree], estimator: str) -> dict:
-    """Advantages of one group (the executions of one task) and its trainable paths."""
+def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0,
+                     aggregation: str = "token_mean", seed: int = 0) -> dict:
+    """Advantages of one group (the executions of one task), and the paths it trains: at most
+    ``j_max`` per execution by role priority, each sample weighted by ``aggregation``."""
     rewards = np.array([t.reward for t in trees], dtype=np.float64)  # (G,)
     adv = ADVANTAGES.get(estimator)(rewards)  # (G,)
-    samples = [
-        PathSample.of(p, a)
-        for t, a in zip(trees, adv)
-        for p in t.paths()
-    ]
+    paths = [t.paths(t.sample_paths(j_max, path_seed(seed, t.execution_id))) for t in trees]
+    weight = AGGREGATIONS.get(aggregation)(np.array([sum(p.n_trained for p in ps) for ps in paths]))  # (G,)
+    samples = [PathSample.of(p, a, w) for ps, a, w in zip(paths, adv, weight) for p in ps]
     return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}
+
+
+def path_seed(seed: int, execution_id: str) -> int:
+    """Seed of an execution's path sampling: the run's seed and the execution, nothing else."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{execution_id}".encode(), digest_size=8).digest(), "little")
 
 
 def weights_of(state: dict) -> dict:

@@ -128,7 +128,7 @@ def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archiv
         for name, task in zip(group_names(tasks), tasks)
     ]
     loss_kwargs = {"clip_eps": cfg.rl.clip_eps} if cfg.rl.loss == "ppo_clip" else {}
-    futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage,),
+    futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed),
                           gradient_args=(cfg.rl.loss, loss_kwargs), shares_per_group=cfg.rl.shares_per_group)
     writes = [client.submit(write_execution, str(archive), ex, key=f"archive-{ex.key}", resources=SLOT)
               for ex in futures.executions]

@@ -53,6 +53,8 @@ def make_execution(
                 engine=f"tcp://127.0.0.1:{9000 + i}",
                 t_start=1.5 * i,
                 t_end=1.5 * i + 0.25,
+                temperature=(0.0, 0.7, 1.0)[i % 3],
+                top_p=0.9 if i == 2 else 1.0,
             )
         )
     return ExecutionResult(

@@ -20,7 +20,7 @@ import pytest
 from gyreflow.model import build_tokenizer
 from gyreflow.proxy.calls import model_card
 from gyreflow.proxy.local import ProxyThread
-from gyreflow.proxy.sessions import Budget
+from gyreflow.proxy.sessions import Budget, SamplingPin
 from gyreflow.trajectory.records import ExecutionResult
 from gyreflow.trajectory.tree import build_tree
 from proxy_support import CALL_TEXT, FINAL_TEXT, TASK, TOOLS, Journal, start_engine, train_tool_model
@@ -52,10 +52,10 @@ _count = iter(range(10**6))
 class Exec:
     """A session opened for one test, with its journal and clients."""
 
-    def __init__(self, proxy, engine, *, delay_s=0.0, budget=None, seed=7):
+    def __init__(self, proxy, engine, *, delay_s=0.0, budget=None, seed=7, pin=None):
         self.journal = Journal(engine, delay_s)
         self.id = f"exec-{next(_count)}"
-        self.session = proxy.open(self.id, self.journal, budget=budget, seed=seed)
+        self.session = proxy.open(self.id, self.journal, budget=budget, seed=seed, pin=pin)
         self.env = proxy.environment(self.session)
         self.proxy = proxy
 
@@ -258,6 +258,27 @@ def test_completions_text_and_token_ids(proxy, engine, tok):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == tok.decode(ex.records[2].completion_ids,
                                                                                      skip_special_tokens=True)
     assert_recorded_exactly(ex)
+
+
+def test_calls_record_their_sampling_settings_and_a_pinned_session_overrides_them(proxy, engine):
+    ex = Exec(proxy, engine)
+    c = ex.client()
+    c.chat.completions.create(model=MODEL, messages=user(), temperature=0, max_tokens=6)
+    c.chat.completions.create(model=MODEL, messages=user("again"), temperature=0.7, top_p=0.5, max_tokens=6)
+    asked = [(0.0, 1.0), (0.7, 0.5)]
+    assert [(r.temperature, r.top_p) for r in ex.records] == asked
+    assert [(q.params.temperature, q.params.top_p) for q, _ in ex.journal.served] == asked
+    result = ExecutionResult(ex.id, "t", 0, 0, "train", ex.records, 1.0, True, "done")
+    assert build_tree(result).n_samples == 0  # greedy and nucleus calls are context, not samples
+
+    pinned = Exec(proxy, engine, pin=SamplingPin(temperature=1.0, top_p=1.0))
+    pinned.client().chat.completions.create(model=MODEL, messages=user(), temperature=0, top_p=0.5, max_tokens=6)
+    (rec,) = pinned.records
+    assert (rec.temperature, rec.top_p) == (1.0, 1.0)
+    assert [(q.params.temperature, q.params.top_p) for q, _ in pinned.journal.served] == [(1.0, 1.0)]
+    result = ExecutionResult(pinned.id, "t", 0, 0, "train", pinned.records, 1.0, True, "done")
+    assert build_tree(result).n_samples == len(rec.completion_ids) > 0
+    assert_recorded_exactly(pinned)
 
 
 def test_responses_text_function_calls_and_stream(proxy, engine, tok):

@@ -83,7 +83,7 @@ def test_a_step_with_nothing_to_train_still_advances_the_version():
     model = build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2))
     trainer = Trainer(model, OptimConfig(), version=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    out = trainer.apply_gradients([{"version": 3, "tokens": 0, "oldest": None, "grads": {}, "sums": {},
+    out = trainer.apply_gradients([{"version": 3, "tokens": 0, "weight": 0.0, "oldest": None, "grads": {}, "sums": {},
                                     "padded_tokens": 0}])
     assert out["version"] == trainer.version == 4 and out["trained_tokens"] == 0
     assert trainer.rl_step([])["version"] == 5

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
+from gyreflow.trajectory.roles import infer_roles
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
 
@@ -19,7 +20,7 @@ def _call(
     *,
     logprobs: list[float] | np.ndarray | None = None,
     versions: list[int] | np.ndarray | None = None,
-    role: str = "policy",
+    role: str = "main",
 ) -> CallRecord:
     c = len(completion)
     if logprobs is None:
@@ -102,7 +103,7 @@ def test_chain_is_one_sequence() -> None:
     )
     assert path.versions[sampled_at].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
     assert np.all(path.logprobs[~path.sampled] == 0) and np.all(path.versions[~path.sampled] == -1)
-    assert path.role == "policy" and path.call_index == 2
+    assert path.role == "main" and path.call_index == 2
     _check_sampled_once(calls, tree)
 
 
@@ -120,7 +121,7 @@ def test_call_order_of_records_does_not_matter() -> None:
 def test_compaction_branches() -> None:
     c0, c1, _ = _chain_calls()
     # summarizer sees the whole history and writes a summary
-    s = _call(2, _seq(c1) + [90], [91, 92], role="summarizer")
+    s = _call(2, _seq(c1) + [90], [91, 92], role="main-summary")
     # after compaction the agent restarts from the system prompt + summary: shares only 5 tokens
     c3 = _call(3, SYSTEM + [91, 92, 60], [61, 62])
     calls = [c0, c1, s, c3]
@@ -128,7 +129,7 @@ def test_compaction_branches() -> None:
     assert tree.n_leaves == 2
     paths = tree.paths()
     assert [p.tokens.tolist() for p in paths] == [_seq(s), _seq(c3)]
-    assert [p.role for p in paths] == ["summarizer", "policy"]
+    assert [p.role for p in paths] == ["main-summary", "main"]
     # the shared system prompt is owned by the first path only
     assert paths[0].owned[:5].all() and not paths[1].owned[:5].any()
     assert paths[1].owned[5:].all() and paths[0].owned.all()
@@ -213,7 +214,7 @@ def test_best_of_n_and_sub_agents_on_one_prompt() -> None:
     prompt = [1, 2, 3]
     calls = [
         _call(0, prompt, [7, 8, 9]), _call(1, prompt, [7, 8, 9]), _call(2, prompt, [7, 8, 10]),
-        _call(3, prompt, [7, 11]), _call(4, prompt, [7, 8, 9], role="subagent"),
+        _call(3, prompt, [7, 11]), _call(4, prompt, [7, 8, 9], role="sub-agent"),
     ]
     tree = build_tree(_result(calls))
     assert tree.n_leaves == 3 and tree.n_samples == 14
@@ -236,7 +237,7 @@ def test_prefix_call_adds_nothing() -> None:
     (path,) = tree.paths()
     assert path.sampled.tolist() == [False, False, True, False, True, True]
     assert path.logprobs[2] == pytest.approx(-2.0) and path.versions[2] == 1
-    assert path.role == "policy" and path.call_index == 0
+    assert path.role == "main" and path.call_index == 0
 
 
 def test_completion_stays_sampled_when_reused_as_prompt() -> None:
@@ -271,7 +272,7 @@ def test_empty_execution() -> None:
 
 def test_arrays_round_trip() -> None:
     c0, c1, _ = _chain_calls()
-    s = _call(2, _seq(c1) + [90], [91, 92], role="summarizer")
+    s = _call(2, _seq(c1) + [90], [91, 92], role="main-summary")
     c3 = _call(3, SYSTEM + [91, 92, 60], [61, 62])
     tree = build_tree(_result([c0, c1, s, c3]))
     arrays, meta = tree.to_arrays()
@@ -282,7 +283,7 @@ def test_arrays_round_trip() -> None:
     assert (back.total_tokens, back.n_calls, back.roles) == (tree.total_tokens, 4, tree.roles)
     for p, q in zip(tree.paths(), back.paths(), strict=True):
         for name in ("tokens", "sampled", "logprobs", "versions", "owned", "nodes", "extra_pos", "extra_logprobs",
-                     "extra_versions"):
+                     "extra_versions", "extra_temperatures", "temperatures"):
             np.testing.assert_array_equal(getattr(p, name), getattr(q, name))
         assert (p.role, p.call_index, p.leaf) == (q.role, q.call_index, q.leaf)
 
@@ -294,7 +295,8 @@ def test_from_arrays_rejects_bad_structure() -> None:
         TrajectoryTree.from_arrays(bad, meta)
     with pytest.raises(ValueError, match="missing"):
         TrajectoryTree.from_arrays({"tokens": arrays["tokens"]}, meta)
-    extra = {"extra_index": np.array([0]), "extra_logprobs": np.array([-1.0]), "extra_versions": np.array([0])}
+    extra = {"extra_index": np.array([0]), "extra_logprobs": np.array([-1.0]), "extra_versions": np.array([0]),
+             "extra_temperatures": np.array([1.0])}
     with pytest.raises(ValueError, match="not sampled"):  # token 0 is prompt text
         TrajectoryTree.from_arrays(arrays | extra, meta)
     with pytest.raises(ValueError, match="ascending"):
@@ -302,8 +304,9 @@ def test_from_arrays_rejects_bad_structure() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         TrajectoryTree.from_arrays(arrays | extra | {"extra_versions": np.array([0, 1])}, meta)
     # a tree stored before extra samples existed reads as having none
-    old = {k: v for k, v in arrays.items() if not k.startswith("extra_")}
-    assert TrajectoryTree.from_arrays(old, meta).n_samples == 9
+    old = {k: v for k, v in arrays.items() if not k.startswith("extra_") and k != "temperatures"}
+    back = TrajectoryTree.from_arrays(old, meta)
+    assert back.n_samples == 9 and np.all(back.temperatures == 1.0)
 
 
 # --------------------------------------------------------------------- randomized vs reference
@@ -342,7 +345,7 @@ def _random_calls(rng: np.random.Generator) -> list[CallRecord]:
             _call(
                 index, seq[:cut], seq[cut:],
                 logprobs=-rng.random(len(seq) - cut), versions=rng.integers(0, 4, len(seq) - cut),
-                role=str(rng.choice(["policy", "summarizer"])),
+                role=str(rng.choice(["main", "main-summary"])),
             )
         )
     return calls
@@ -402,3 +405,66 @@ def test_long_chain_with_compactions() -> None:
     assert tree.n_leaves == 5  # the original context + 4 compactions (calls 49, 99, 149, 199)
     assert tree.unique_tokens < tree.total_tokens / 10
     assert sum(int(p.loss_mask.sum()) for p in tree.paths()) == 200 * 150
+
+
+# ------------------------------------------------------------------------ roles and bounded sampling
+
+
+def _roles_tree():
+    """main chain; a sub-agent on its own prompt; each summarized; the main agent goes on from
+    its summary."""
+    m0 = _call(0, SYSTEM, [10, 11], role="")
+    m1 = _call(1, _seq(m0) + [20], [12, 13], role="")
+    sub = _call(2, [8, 9, 7], [30, 31, 32], role="")  # another system prompt: a sub-agent
+    sub_sum = _call(3, _seq(sub) + [33], [34, 35], role="")  # nothing continues it; reused below
+    m_sum = _call(4, _seq(m1) + [21], [40, 41, 42], role="")
+    m2 = _call(5, SYSTEM + [40, 41, 42, 34, 35, 22], [14], role="")  # compacted: both summaries
+    return [m0, m1, sub, sub_sum, m_sum, m2]
+
+
+def test_roles_are_inferred_when_absent() -> None:
+    calls = _roles_tree()
+    tree = build_tree(_result(calls))
+    by_call = {p.call_index: p.role for p in tree.paths()}
+    assert by_call == {3: "sub-agent-summary", 4: "main-summary", 5: "main"}
+    leaf_calls = [c.call_index in by_call for c in calls]
+    assert infer_roles(calls, leaf_calls) == ["main", "main", "sub-agent", "sub-agent-summary", "main-summary", "main"]
+    # a discarded best-of-n sample is not a summary: its completion is never reused
+    alt = _call(6, _seq(m := calls[0]), [99, 98], role="")
+    tree = build_tree(_result([m, alt, _call(7, _seq(m) + [10], [11], role="")]))
+    assert {p.call_index: p.role for p in tree.paths()} == {6: "main", 7: "main"}
+    # named roles win, and names of earlier releases read as current ones
+    tree = build_tree(_result([_call(0, SYSTEM, [1], role="summarizer")]))
+    assert tree.paths()[0].role == "main-summary"
+
+
+def test_bounded_sampling_follows_role_priority() -> None:
+    tree = build_tree(_result(_roles_tree()))
+    role = {i: p.role for i, p in enumerate(tree.paths())}
+    for j in (1, 2, 3):
+        got = tree.sample_paths(j, seed=0)
+        assert [role[i] for i in got] == ["main", "main-summary", "sub-agent-summary"][:j]
+    assert tree.sample_paths(0, seed=0) == list(range(tree.n_leaves))
+    assert tree.sample_paths(10, seed=0) == tree.sample_paths(3, seed=0)  # nothing more to train
+    with pytest.raises(ValueError, match="j_max"):
+        tree.sample_paths(-1, seed=0)
+
+
+def test_bounded_sampling_is_proportional_to_untrained_samples_and_masks_chosen_paths() -> None:
+    head = _call(0, SYSTEM, [10, 11, 12, 13])  # 4 shared samples
+    a = _call(1, _seq(head) + [50], list(range(100, 130)))  # 30 own samples
+    b = _call(2, _seq(head) + [51], list(range(200, 210)))  # 10 own samples
+    c = _call(3, _seq(head) + [52], [], role="main")  # context only: nothing of its own to train
+    tree = build_tree(_result([head, a, b, c]))
+    leaf_of = {p.call_index: i for i, p in enumerate(tree.paths())}
+    first = Counter(tree.sample_paths(1, seed=s)[0] for s in range(2000))
+    # the shared head counts for every path at the first draw: 34 : 14 : 4
+    assert first[leaf_of[1]] / 2000 == pytest.approx(34 / 52, abs=0.03)
+    assert first[leaf_of[3]] / 2000 == pytest.approx(4 / 52, abs=0.02)
+    for s in range(20):
+        got = tree.sample_paths(3, seed=s)
+        # c has nothing left once the head is taken; drawn first it takes the head
+        assert sorted(got) in (sorted([leaf_of[1], leaf_of[2]]), sorted(leaf_of.values()))
+        assert got == tree.sample_paths(3, seed=s)  # deterministic
+        paths = tree.paths(got)
+        assert sum(p.n_trained for p in paths) == tree.n_samples == 44

@@ -124,3 +124,113 @@ def test_sft_counts_repeated_samples():
     # Adam's first step divides by |g|: compare the gradients each step applied, not the weights.
     for (name, x), y in zip(a.model.named_parameters(), b.model.parameters()):
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+# ------------------------------------------------------------------------------ sampling settings
+
+
+def engine_call(engine, i: int, prompt: list[int], temperature: float, top_p: float = 1.0) -> CallRecord:
+    from gyreflow.engine.base import GenerationRequest, SamplingParams
+
+    fut = engine.submit(GenerationRequest(f"e/{i}", np.array(prompt, np.int32),
+                                          SamplingParams(temperature=temperature, top_p=top_p, max_tokens=12, seed=i)))
+    while not fut.done():
+        engine.step()
+    out = fut.result()
+    return CallRecord("e", i, f"e/{i}", "main", out.prompt_ids, out.completion_ids, out.logprobs, out.versions,
+                      temperature=temperature, top_p=top_p)
+
+
+def test_on_policy_samples_at_their_own_temperature_have_ratio_one():
+    """Calls drawn at several temperatures, recomputed by the trainer at the same weights: every
+    importance ratio is 1 (the trainer scores each call at its own temperature)."""
+    from gyreflow.engine.torch_engine import TorchEngine
+
+    model = build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                     num_kv_heads=2), seed=5)
+    engine = TorchEngine(model, device="cpu", max_seq_len=256)
+    calls = [engine_call(engine, 0, SYSTEM, 0.5)]
+    calls.append(engine_call(engine, 1, seq(calls[0]) + [30], 1.5))
+    calls.append(engine_call(engine, 2, seq(calls[0]) + [30], 1.0))
+    tree = build_tree(ExecutionResult("e", "t", 0, 0, "train", calls, 0.5, False, "done"))
+    assert sorted(set(tree.temperatures[tree.sampled].tolist())) == [0.5, 1.0, 1.5]
+    trainer = Trainer(model, OptimConfig(), version=0)
+    out = trainer.gradients([PathSample.of(p, 1.0) for p in tree.paths()], "ppo_clip", clip_eps=0.2)
+    n = out["tokens"]
+    assert n == tree.n_samples == 36
+    assert out["sums"]["ratio_mean"] / n == pytest.approx(1.0, abs=1e-4)
+    assert out["sums"]["approx_kl"] / n == pytest.approx(0.0, abs=1e-6)
+    # Scored at temperature 1 throughout (what the trainer did before), the ratios are not 1.
+    flat = [PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, 1.0, extra_pos=p.extra_pos,
+                       extra_logprobs=p.extra_logprobs, extra_versions=p.extra_versions) for p in tree.paths()]
+    assert trainer.gradients(flat, "ppo_clip", clip_eps=0.2)["sums"]["approx_kl"] / n > 1e-3
+
+
+def test_greedy_and_nucleus_calls_are_context_not_samples():
+    c0 = call(0, SYSTEM, [20, 21, 22])
+    greedy = CallRecord("e", 1, "c1", "main", np.array(seq(c0) + [30]), np.array([23, 24]),
+                        np.array([-0.1, -0.2], np.float32), np.array([1, 1], np.int32), temperature=0.0)
+    nucleus = CallRecord("e", 2, "c2", "main", np.array(seq(greedy) + [31]), np.array([25]),
+                         np.array([-0.3], np.float32), np.array([1], np.int32), top_p=0.9)
+    tree = build_tree(ExecutionResult("e", "t", 0, 0, "train", [c0, greedy, nucleus], 0.5, False, "done"))
+    (path,) = tree.paths()
+    assert path.tokens.tolist() == seq(nucleus)
+    assert np.flatnonzero(path.loss_mask).tolist() == [4, 5, 6]  # c0's completion only
+    assert tree.n_samples == 3
+    # The same tokens sampled by a trainable call at the same context are samples again.
+    again = CallRecord("e", 3, "c3", "main", greedy.prompt_ids, greedy.completion_ids,
+                       np.array([-1.1, -1.2], np.float32), np.array([2, 2], np.int32), temperature=0.8)
+    tree = build_tree(ExecutionResult("e", "t", 0, 0, "train", [c0, greedy, nucleus, again], 0.5, False, "done"))
+    (path,) = tree.paths()
+    assert np.flatnonzero(path.loss_mask).tolist() == [4, 5, 6, 8, 9]
+    assert path.logprobs[[8, 9]].tolist() == pytest.approx([-1.1, -1.2]) and path.temperatures[[8, 9]].tolist() == \
+        pytest.approx([0.8, 0.8])
+
+
+# ------------------------------------------------------------------------------- aggregation
+
+
+def test_aggregation_weights_by_hand():
+    from gyreflow.algo import AGGREGATIONS
+
+    np.testing.assert_allclose(AGGREGATIONS.get("execution_mean")(np.array([8, 11, 0, 4])), [1 / 8, 1 / 11, 0, 1 / 4])
+    np.testing.assert_allclose(AGGREGATIONS.get("token_mean")(np.array([8, 11, 0, 4])), [1, 1, 1, 1])
+
+
+def test_two_level_averaging_is_the_mean_over_executions_of_their_token_means():
+    from gyreflow.stages import group_advantages
+
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", make(), r, False, "done"))
+             for i, (make, r) in enumerate([(chain, 1.0), (best_of_n, 0.0), (sub_agents, 0.5)])]
+    assert [t.n_samples for t in trees] == [8, 11, 14]
+    trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                               num_kv_heads=2), seed=3), OptimConfig(), version=2)
+    group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
+    got = trainer.gradients(group["samples"], "ppo_clip", clip_eps=0.2)
+    assert got["tokens"] == 33 and got["weight"] == pytest.approx(3.0)
+    # The reference: each execution's own token-mean gradient, then their plain mean.
+    per = []
+    for t, a in zip(trees, group["advantages"]):
+        r = trainer.gradients([PathSample.of(p, a) for p in t.paths()], "ppo_clip", clip_eps=0.2)
+        per.append({k: g / r["tokens"] for k, g in r["grads"].items()})
+    for name, g in got["grads"].items():
+        np.testing.assert_allclose(g / got["weight"], np.mean([p[name] for p in per], axis=0), rtol=1e-4, atol=1e-7,
+                                   err_msg=name)
+    # token_mean weighs every sample alike: the 14-sample execution counts 14/33, not 1/3.
+    flat = trainer.gradients(group_advantages(trees, "grpo", 0, "token_mean", 0)["samples"], "ppo_clip", clip_eps=0.2)
+    assert flat["weight"] == pytest.approx(33.0)
+
+
+def test_j_max_bounds_the_paths_of_each_execution():
+    from gyreflow.stages import group_advantages
+
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", best_of_n(), 0.1 * i, False, "done"))
+             for i in range(3)]
+    assert all(t.n_leaves == 3 for t in trees)
+    one = group_advantages(trees, "grpo", 1, "execution_mean", 0)
+    assert len(one["samples"]) == 3  # one path per execution
+    assert [s.weight for s in one["samples"]] == pytest.approx([1 / s.n_trained for s in one["samples"]])
+    again = group_advantages(trees, "grpo", 1, "execution_mean", 0)["samples"]
+    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in one["samples"]]  # seeded
+    every = group_advantages(trees, "grpo", 0, "execution_mean", 0)
+    assert len(every["samples"]) == 9 and sum(s.n_trained for s in every["samples"]) == 3 * 11

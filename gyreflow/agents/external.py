@@ -17,7 +17,7 @@ from typing import Protocol
 
 from gyreflow.agents.process import ProcessLimits, agent_environment, run_process
 from gyreflow.agents.suite import SuiteTask, grade_workspace, prepare_workspace
-from gyreflow.proxy.sessions import Budget, Generate, Session
+from gyreflow.proxy.sessions import Budget, Generate, SamplingPin, Session
 from gyreflow.trajectory.records import ExecutionResult
 
 
@@ -54,6 +54,11 @@ class ExternalAgent:
     """Completion length of a call that names none (and the most one may name)."""
     max_inflight: int = 4
     """Calls of one execution running at once."""
+    pin_temperature: float | None = None
+    """Sample every call at this temperature whatever the program asks (``None``: as it asks; a
+    greedy call is then context for training, not a sample)."""
+    pin_top_p: float | None = None
+    """Likewise for top-p (``None``: as asked; a call with ``top_p < 1`` is then context)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the program."""
     demo_write_tool: str = "write_file"
@@ -70,6 +75,10 @@ class ExternalAgent:
             raise ValueError("ExternalAgent.env must map names to strings")
         if self.time_limit_s <= 0:
             raise ValueError(f"ExternalAgent.time_limit_s must be positive, got {self.time_limit_s}")
+        try:
+            SamplingPin(self.pin_temperature, self.pin_top_p)
+        except ValueError as err:
+            raise ValueError(str(err).replace("SamplingPin.", "ExternalAgent.pin_")) from None
 
     def argv(self, task: SuiteTask, workdir: Path) -> list[str]:
         subs = {"{python}": sys.executable, "{prompt}": task.prompt, "{workspace}": str(workdir)}
@@ -97,7 +106,7 @@ class SessionHost(Protocol):
     """Where sessions are opened: the proxy of this worker, or one on its own thread."""
 
     def open(self, execution_id: str, generate: Generate, *, budget: Budget | None = None, seed: int = 0,
-             role: str = "policy") -> Session: ...
+             role: str = "", pin: SamplingPin | None = None) -> Session: ...
 
     def close(self, execution_id: str) -> Session: ...
 
@@ -131,7 +140,8 @@ def run_external(task: SuiteTask, agent: ExternalAgent, host: SessionHost, gener
     """
     root = Path(workdir_root or tempfile.gettempdir()) / "gyreflow-workspaces"
     root.mkdir(parents=True, exist_ok=True)
-    session = host.open(execution_id, generate, budget=agent.budget(task), seed=seed)
+    session = host.open(execution_id, generate, budget=agent.budget(task), seed=seed,
+                        pin=SamplingPin(agent.pin_temperature, agent.pin_top_p))
     try:
         workdir = prepare_workspace(task, root)
     except BaseException:

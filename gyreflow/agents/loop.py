@@ -64,7 +64,7 @@ def run_agent(
     step: int = 0,
     sample: int = 0,
     seed: int = 0,
-    role: str = "policy",
+    role: str = "main",
 ) -> ExecutionResult:
     """Run one execution of the native agent on ``task``; never raises for the agent's mistakes.
 
@@ -121,6 +121,8 @@ def run_agent(
                 engine=out.engine,
                 t_start=t_call,
                 t_end=time.time(),
+                temperature=params.temperature,
+                top_p=params.top_p,
             )
         )
         completion = [int(t) for t in out.completion_ids]

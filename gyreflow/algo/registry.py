@@ -1,4 +1,4 @@
-"""Name → function registries for advantage estimators and losses.
+"""Name → function registries for advantage estimators, losses and loss aggregations.
 
 Each registry holds functions of one signature, so callers dispatch by config string through
 :meth:`Registry.get` and never branch on names themselves::
@@ -44,5 +44,14 @@ class LossFn(Protocol):
         ...
 
 
+class AggregationFn(Protocol):
+    """Per-sample loss weight of each execution of a step."""
+
+    def __call__(self, samples: np.ndarray) -> np.ndarray:
+        """Map samples per execution ``(E,)`` to the weight of each of its samples ``(E,)``."""
+        ...
+
+
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregation")
 LOSSES: Registry[LossFn] = Registry("loss")

@@ -17,7 +17,7 @@ from gyreflow.engine.base import GenerationRequest, SamplingParams
 from gyreflow.proxy.errors import ApiError, bad_request
 from gyreflow.proxy.render import ChatRenderer
 from gyreflow.proxy.requests import CallSpec
-from gyreflow.proxy.sessions import Reply, Session
+from gyreflow.proxy.sessions import Reply, SamplingPin, Session
 from gyreflow.proxy.toolcalls import ToolCallParser
 
 ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -46,8 +46,9 @@ class ModelCard:
 
 
 def call_role(header: str | None, session: Session) -> str:
-    """Who makes the call (``X-Gyreflow-Role``: a summarizer, a sub-agent...); the session's role
-    by default."""
+    """Who makes the call (``X-Gyreflow-Role``: ``main``, ``main-summary``, ``sub-agent``...); the
+    session's role by default, which is empty unless set: the tree then infers it
+    (:mod:`gyreflow.trajectory.roles`)."""
     if not header:
         return session.role
     if not ROLE.match(header):
@@ -114,11 +115,13 @@ async def prepare_call(session: Session, spec: CallSpec, card: ModelCard) -> Pre
 
 
 def sampling_params(spec: CallSpec, max_tokens: int, eos_id: int, seed: int, execution_id: str,
-                    index: int) -> SamplingParams:
-    """How call ``index`` of an execution samples. A seed the client pins (harness configs often
-    do) is mixed with the execution's, so the executions of a group still sample differently."""
+                    index: int, pin: SamplingPin | None = None) -> SamplingParams:
+    """How call ``index`` of an execution samples: as the client asks, unless the session pins the
+    settings (``pin``). A seed the client pins (harness configs often do) is mixed with the execution's,
+    so the executions of a group still sample differently."""
     where = execution_id if spec.seed is None else f"{execution_id}#{spec.seed}"
-    return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=max_tokens, stop=spec.stop,
+    temperature, top_p = (pin or SamplingPin()).apply(spec.temperature, spec.top_p)
+    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=spec.stop,
                           stop_token_ids=(eos_id,), seed=call_seed(seed, where, index))
 
 
@@ -139,9 +142,10 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
     index = session.calls_started
     eid = session.execution_id
     max_tokens = session.max_tokens(spec.max_tokens)
-    params = sampling_params(spec, max_tokens, card.renderer.eos_id, session.seed, eid, index)
+    params = sampling_params(spec, max_tokens, card.renderer.eos_id, session.seed, eid, index, session.pin)
     reply = Reply(key, asyncio.get_running_loop().create_future(), call_index=index, role=role or session.role,
-                  prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time())
+                  prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time(),
+                  temperature=params.temperature, top_p=params.top_p)
     reply.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # a lone failure is not "never retrieved"
     session.calls_started += 1
     session.calls_charged += 1

@@ -10,7 +10,7 @@ import threading
 from gyreflow.engine.base import GenerationRequest, GenerationResult
 from gyreflow.proxy.calls import ModelCard
 from gyreflow.proxy.server import LOOPBACK, ProxyServer
-from gyreflow.proxy.sessions import Budget, Generate, Session, SessionRegistry
+from gyreflow.proxy.sessions import Budget, Generate, SamplingPin, Session, SessionRegistry
 
 
 class EngineBackend:
@@ -71,8 +71,9 @@ class ProxyThread:
         return self.server.url
 
     def open(self, execution_id: str, generate: Generate, *, budget: Budget | None = None, seed: int = 0,
-             role: str = "policy") -> Session:
-        return self.thread.call(self.registry.open, execution_id, generate, budget=budget, seed=seed, role=role)
+             role: str = "", pin: SamplingPin | None = None) -> Session:
+        return self.thread.call(self.registry.open, execution_id, generate, budget=budget, seed=seed, role=role,
+                                pin=pin)
 
     def close(self, execution_id: str) -> Session:
         return self.thread.call(self.registry.close, execution_id)

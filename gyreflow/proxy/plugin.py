@@ -10,7 +10,7 @@ from distributed.utils import sync
 
 from gyreflow.proxy.calls import model_card
 from gyreflow.proxy.server import LOOPBACK, ProxyServer
-from gyreflow.proxy.sessions import Budget, Generate, Session, SessionRegistry
+from gyreflow.proxy.sessions import Budget, Generate, SamplingPin, Session, SessionRegistry
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ class ProxyPlugin(WorkerPlugin):
     # Called from execution tasks (worker threads): the registry lives on the worker's loop.
 
     def open(self, execution_id: str, generate: Generate, *, budget: Budget | None = None, seed: int = 0,
-             role: str = "policy") -> Session:
+             role: str = "", pin: SamplingPin | None = None) -> Session:
         async def run() -> Session:
-            return self._start().registry.open(execution_id, generate, budget=budget, seed=seed, role=role)
+            return self._start().registry.open(execution_id, generate, budget=budget, seed=seed, role=role, pin=pin)
 
         return sync(self.worker.loop, run)
 

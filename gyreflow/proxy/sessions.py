@@ -52,6 +52,26 @@ class Budget:
             raise ValueError(f"Budget.time_limit_s must be positive, got {self.time_limit_s}")
 
 
+@dataclass(frozen=True)
+class SamplingPin:
+    """Sampling settings a session imposes on every call, whatever the program asks (``None``: as
+    asked). A training session pins the run's settings so that every call is a trainable sample."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature is not None and not 0 < self.temperature <= 2:
+            raise ValueError(f"SamplingPin.temperature must be in (0, 2], got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingPin.top_p must be in (0, 1], got {self.top_p}")
+
+    def apply(self, temperature: float, top_p: float) -> tuple[float, float]:
+        """The settings a call asking for ``temperature`` and ``top_p`` is sampled with."""
+        return (temperature if self.temperature is None else self.temperature,
+                top_p if self.top_p is None else self.top_p)
+
+
 @dataclass
 class Reply:
     """One engine call and everything needed to answer it again."""
@@ -70,9 +90,12 @@ class Reply:
     finish_reason: str = "stop"
     response_id: str = ""
     created: int = 0
-    role: str = "policy"
+    role: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Sampling settings the call was served with."""
     delivered: bool = False
     recorded: bool = False
 
@@ -81,8 +104,9 @@ class Session:
     """The proxy's view of one execution."""
 
     def __init__(self, execution_id: str, secret: str, generate: Generate, budget: Budget, seed: int = 0,
-                 role: str = "policy") -> None:
+                 role: str = "", pin: SamplingPin | None = None) -> None:
         self.execution_id = execution_id
+        self.pin = pin or SamplingPin()
         self.secret = secret
         self.generate = generate
         self.budget = budget
@@ -168,7 +192,8 @@ class Session:
         self.records.append(CallRecord(
             execution_id=self.execution_id, call_index=len(self.records), call_id=r.request_id, role=reply.role,
             prompt_ids=reply.prompt_ids, completion_ids=r.completion_ids, logprobs=r.logprobs, versions=r.versions,
-            finish_reason=r.finish_reason, engine=r.engine, t_start=reply.t_start, t_end=reply.t_end))
+            finish_reason=r.finish_reason, engine=r.engine, t_start=reply.t_start, t_end=reply.t_end,
+            temperature=reply.temperature, top_p=reply.top_p))
         ids = frozenset(call["id"] for call in reply.tool_calls)
         for call in reply.tool_calls:
             self.turns[call["id"]] = (ids, reply.turn_ids)
@@ -201,12 +226,12 @@ class SessionRegistry:
         self._by_secret: dict[str, Session] = {}
 
     def open(self, execution_id: str, generate: Generate, *, budget: Budget | None = None, seed: int = 0,
-             role: str = "policy") -> Session:
+             role: str = "", pin: SamplingPin | None = None) -> Session:
         if not SESSION_ID.match(execution_id):
             raise ValueError(f"execution id {execution_id!r} cannot name a session: it must match {SESSION_ID.pattern}")
         if execution_id in self._by_id:
             raise ValueError(f"a session for execution {execution_id!r} is already open")
-        s = Session(execution_id, "gf-" + secrets.token_urlsafe(24), generate, budget or Budget(), seed, role)
+        s = Session(execution_id, "gf-" + secrets.token_urlsafe(24), generate, budget or Budget(), seed, role, pin)
         self._by_id[execution_id] = s
         self._by_secret[s.secret] = s
         return s

@@ -18,18 +18,19 @@ from gyreflow.model.chat import PAD_ID
 
 @dataclass
 class MicroBatch:
+    """Padded sequences and their loss terms, one per sample: each trained target token, then each
+    further sample of one (the same target, with that sample's own behaviour data)."""
+
     input_ids: torch.Tensor  # (B, L) int64
     attention_mask: torch.Tensor  # (B, L) int64
     targets: torch.Tensor  # (B, L-1) int64, input_ids shifted left
-    loss_mask: torch.Tensor  # (B, L-1) float32, 1 where the target token is trained
-    old_logprobs: torch.Tensor  # (B, L-1) float32, behaviour log-probs of the targets
-    advantages: torch.Tensor  # (B, L-1) float32
-    versions: torch.Tensor  # (B, L-1) int64, -1 where not sampled
-    extra_rows: torch.Tensor  # (E,) int64, row of each further sample of a trained target
-    extra_cols: torch.Tensor  # (E,) int64, its column in the (B, L-1) arrays
-    extra_old_logprobs: torch.Tensor  # (E,) float32
-    extra_advantages: torch.Tensor  # (E,) float32
-    extra_versions: torch.Tensor  # (E,) int64
+    rows: torch.Tensor  # (N,) int64, sequence of each sample
+    cols: torch.Tensor  # (N,) int64, its target position in the (B, L-1) arrays
+    old_logprobs: torch.Tensor  # (N,) float32, behaviour log-prob of each sample
+    advantages: torch.Tensor  # (N,) float32
+    temperatures: torch.Tensor  # (N,) float32, temperature the sample was drawn at
+    versions: torch.Tensor  # (N,) int64, weights version that drew it
+    weights: torch.Tensor  # (N,) float32, weight of each sample in the step's loss
 
     @property
     def n_tokens(self) -> int:
@@ -38,16 +39,7 @@ class MicroBatch:
     @property
     def n_trained(self) -> int:
         """Loss terms: trained targets plus their further samples."""
-        return int(self.loss_mask.sum()) + len(self.extra_rows)
-
-    def flat(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-sample ``(logprobs, old_logprobs, advantages)``, each ``(n_trained,)``, from the
-        ``(B, L-1)`` log-probs of the targets: trained targets, then further samples."""
-        m = self.loss_mask.bool()
-        lp = torch.cat([logprobs[m], logprobs[self.extra_rows, self.extra_cols]])  # (N,)
-        old = torch.cat([self.old_logprobs[m], self.extra_old_logprobs])  # (N,)
-        adv = torch.cat([self.advantages[m], self.extra_advantages])  # (N,)
-        return lp, old, adv
+        return len(self.rows)
 
 
 @dataclass
@@ -59,15 +51,19 @@ class PathSample:
     logprobs: np.ndarray  # (L,) float32
     versions: np.ndarray  # (L,) int32
     advantage: float
+    temperatures: np.ndarray | None = None  # (L,) float32; None: all 1
+    weight: float = 1.0
+    """Weight of each of its samples in the step's loss (see :mod:`gyreflow.algo.aggregation`)."""
     extra_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (E,) trained positions sampled again
     extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,)
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,)
+    extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,)
 
     @classmethod
-    def of(cls, path, advantage: float) -> PathSample:
+    def of(cls, path, advantage: float, weight: float = 1.0) -> PathSample:
         """The sample that trains a :class:`~gyreflow.trajectory.tree.TreePath` with ``advantage``."""
-        return cls(path.tokens, path.loss_mask, path.logprobs, path.versions, float(advantage),
-                   path.extra_pos, path.extra_logprobs, path.extra_versions)
+        return cls(path.tokens, path.loss_mask, path.logprobs, path.versions, float(advantage), path.temperatures,
+                   float(weight), path.extra_pos, path.extra_logprobs, path.extra_versions, path.extra_temperatures)
 
     @property
     def n_trained(self) -> int:
@@ -98,37 +94,35 @@ def _collate(samples: list[PathSample]) -> MicroBatch:
     B, L = len(samples), max(len(s.tokens) for s in samples)
     ids = np.full((B, L), PAD_ID, np.int64)
     attn = np.zeros((B, L), np.int64)
-    mask = np.zeros((B, L), np.float32)
-    old = np.zeros((B, L), np.float32)
-    adv = np.zeros((B, L), np.float32)
-    ver = np.full((B, L), -1, np.int64)
-    rows, cols, e_old, e_adv, e_ver = [], [], [], [], []
+    parts: list[tuple[np.ndarray, ...]] = []  # per sequence: rows, cols, old, adv, temperature, version, weight
     for b, s in enumerate(samples):
         n = len(s.tokens)
         ids[b, :n] = s.tokens
         attn[b, :n] = 1
-        mask[b, :n] = s.trained
-        old[b, :n] = s.logprobs
-        adv[b, :n] = s.advantage
-        ver[b, :n] = s.versions
-        keep = s.extra_pos >= 1  # position 0 has no context and is never a target
-        rows.append(np.full(int(keep.sum()), b, np.int64))
-        cols.append(s.extra_pos[keep].astype(np.int64) - 1)
-        e_old.append(s.extra_logprobs[keep])
-        e_adv.append(np.full(int(keep.sum()), s.advantage, np.float32))
-        e_ver.append(s.extra_versions[keep].astype(np.int64))
-    # Position t predicts token t+1: the per-token arrays are indexed by the predicted token.
+        temps = np.ones(n, np.float32) if s.temperatures is None else s.temperatures
+        # Position t predicts token t+1, so token p is the target at column p-1; position 0 has
+        # no context and is never a target.
+        pos = np.concatenate([np.flatnonzero(s.trained), s.extra_pos]).astype(np.int64)
+        old = np.concatenate([s.logprobs[s.trained], s.extra_logprobs])
+        t = np.concatenate([temps[s.trained], s.extra_temperatures])
+        v = np.concatenate([s.versions[s.trained], s.extra_versions])
+        keep = pos >= 1
+        k = int(keep.sum())
+        parts.append((np.full(k, b, np.int64), pos[keep] - 1, old[keep], np.full(k, s.advantage, np.float32), t[keep],
+                      v[keep], np.full(k, s.weight, np.float32)))
+
+    def cat(i: int, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([p[i] for p in parts]).astype(dtype))
+
     return MicroBatch(
         input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(attn),
         targets=torch.from_numpy(ids[:, 1:].copy()),
-        loss_mask=torch.from_numpy(mask[:, 1:].copy()),
-        old_logprobs=torch.from_numpy(old[:, 1:].copy()),
-        advantages=torch.from_numpy(adv[:, 1:].copy()),
-        versions=torch.from_numpy(ver[:, 1:].copy()),
-        extra_rows=torch.from_numpy(np.concatenate(rows)),
-        extra_cols=torch.from_numpy(np.concatenate(cols)),
-        extra_old_logprobs=torch.from_numpy(np.concatenate(e_old).astype(np.float32)),
-        extra_advantages=torch.from_numpy(np.concatenate(e_adv)),
-        extra_versions=torch.from_numpy(np.concatenate(e_ver)),
+        rows=cat(0, np.int64),
+        cols=cat(1, np.int64),
+        old_logprobs=cat(2, np.float32),
+        advantages=cat(3, np.float32),
+        temperatures=cat(4, np.float32),
+        versions=cat(5, np.int64),
+        weights=cat(6, np.float32),
     )

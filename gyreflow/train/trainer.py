@@ -33,15 +33,14 @@ class OptimConfig:
     """Global gradient-norm clip."""
     micro_batch_tokens: int = 16384
     """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
-    temperature: float = 1.0
-    """Temperature the behaviour log-probs were taken at; training log-probs use the same."""
 
 
-def token_logprobs(model, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob of each next token under ``model``: (B, L-1)."""
+def sample_logprobs(model, mb: MicroBatch) -> torch.Tensor:
+    """Log-prob of each of the micro-batch's samples under ``model``, at the temperature it was
+    drawn at: (N,)."""
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # (B, L, V)
-    logits = logits[:, :-1].float() / temperature  # (B, L-1, V)
-    return torch.log_softmax(logits, dim=-1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)  # (B, L-1)
+    z = logits[mb.rows, mb.cols].float() / mb.temperatures[:, None]  # (N, V)
+    return torch.log_softmax(z, dim=-1).gather(-1, mb.targets[mb.rows, mb.cols][:, None]).squeeze(-1)  # (N,)
 
 
 class Trainer:
@@ -51,21 +50,23 @@ class Trainer:
         self.model, self.cfg, self.version = model, cfg, version
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def _backward(self, batches: list[MicroBatch], loss_of, denom: float) -> tuple[dict, int]:
-        """Accumulate gradients of ``sum_mb loss_mb * n_mb / denom`` (``loss_of(mb) -> (token-mean
-        loss, metrics)``); returns the metric sums weighted the same way and the trained tokens."""
+    def _backward(self, batches: list[MicroBatch], loss_of, denom: float) -> tuple[dict, int, float]:
+        """Accumulate gradients of ``sum_mb loss_mb * w_mb / denom`` (``loss_of(mb) -> (weighted
+        mean loss, metrics)``, ``w_mb`` the micro-batch's sample weight); returns the metric sums
+        weighted the same way, the trained samples and their weight."""
         sums: dict[str, float] = {}
-        total = 0
+        total, mass = 0, 0.0
         for mb in batches:
-            n = float(mb.n_trained)
-            if n == 0:
+            w = float(mb.weights.sum())
+            if mb.n_trained == 0 or w == 0:
                 continue
             loss, metrics = loss_of(mb)
-            (loss * (n / denom)).backward()
-            total += int(n)
+            (loss * (w / denom)).backward()
+            total += mb.n_trained
+            mass += w
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * n / denom
-        return sums, total
+                sums[k] = sums.get(k, 0.0) + float(v) * w / denom
+        return sums, total, mass
 
     def rl_lr(self) -> float:
         """Learning rate of the next RL update: ``lr``, warmed up over the optimizer's first
@@ -95,13 +96,15 @@ class Trainer:
     def _apply(self, batches: list[MicroBatch], loss_of) -> dict:
         """One optimizer step over ``batches``; ``loss_of(mb) -> (token-mean loss, metrics)``."""
         self.model.train()
-        total = sum(float(mb.n_trained) for mb in batches)
-        if total == 0:
+        total = sum(mb.n_trained for mb in batches)
+        mass = sum(float(mb.weights.sum()) for mb in batches)
+        if total == 0 or mass == 0:
             self.model.eval()
             return {"trained_tokens": 0}
         self.optimizer.zero_grad(set_to_none=True)
-        # Each micro-batch weighs by its share of trained tokens: the step's loss is a token mean.
-        sums, _ = self._backward(batches, loss_of, total)
+        # Each micro-batch weighs by its share of the sample weight: the step's loss is
+        # sum(w * loss) / sum(w) over every sample, whichever micro-batch it landed in.
+        sums, _, _ = self._backward(batches, loss_of, mass)
         norm = self._step()
         padded = sum(mb.input_ids.numel() for mb in batches)
         return sums | {
@@ -113,11 +116,10 @@ class Trainer:
 
     def _rl_loss(self, loss: str, **loss_kwargs):
         loss_fn = LOSSES.get(loss)
-        T = self.cfg.temperature
 
         def loss_of(mb: MicroBatch):
-            lp, old, adv = mb.flat(token_logprobs(self.model, mb, T))  # (N,) each, one per sample
-            return loss_fn(lp, old, adv, torch.ones_like(lp), **loss_kwargs)
+            lp = sample_logprobs(self.model, mb)  # (N,)
+            return loss_fn(lp, mb.old_logprobs, mb.advantages, mb.weights, **loss_kwargs)
 
         return loss_of
 
@@ -129,19 +131,19 @@ class Trainer:
     def gradients(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
         """One share of a step's gradient work, to be summed with the others by :meth:`apply_gradients`.
 
-        Returns the *token-summed* gradient of the loss over ``samples`` (numpy, by parameter
-        name), the trained tokens, token-summed metrics and the oldest trained version; the model
-        and optimizer are left as they were.
+        Returns the *weight-summed* gradient of the loss over ``samples`` (numpy, by parameter
+        name), the trained samples (``tokens``) and their weight, weight-summed metrics and the
+        oldest trained version; the model and optimizer are left as they were.
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         batches = pack(samples, self.cfg.micro_batch_tokens)
-        sums, tokens = self._backward(batches, self._rl_loss(loss, **loss_kwargs), 1.0)
+        sums, tokens, mass = self._backward(batches, self._rl_loss(loss, **loss_kwargs), 1.0)
         grads = {name: (p.grad.detach().numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
                  for name, p in self.model.named_parameters()}
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        return {"grads": grads, "tokens": tokens, "sums": sums, "oldest": self._oldest(samples),
+        return {"grads": grads, "tokens": tokens, "weight": mass, "sums": sums, "oldest": self._oldest(samples),
                 "padded_tokens": int(sum(mb.input_ids.numel() for mb in batches)), "version": self.version}
 
     def apply_gradients(self, parts: list[dict]) -> dict:
@@ -151,19 +153,20 @@ class Trainer:
             if part["version"] != self.version:
                 raise ValueError(f"a gradient share was computed at version {part['version']}, the trainer is at {self.version}")
         total = sum(p["tokens"] for p in parts)
+        mass = sum(p["weight"] for p in parts)
         oldest = [p["oldest"] for p in parts if p["oldest"] is not None]
-        if total == 0:
+        if total == 0 or mass == 0:
             # Nothing to learn (every advantage zero): an empty update. The version still
             # advances, so a version always counts the steps applied.
             self.version += 1
             return {"trained_tokens": 0, "max_staleness": 0, "version": self.version}
         for name, param in self.model.named_parameters():
-            g = sum(p["grads"][name] for p in parts) / total
+            g = sum(p["grads"][name] for p in parts) / mass
             param.grad = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).to(param.dtype)
         sums: dict[str, float] = {}
         for p in parts:
             for k, v in p["sums"].items():
-                sums[k] = sums.get(k, 0.0) + v / total
+                sums[k] = sums.get(k, 0.0) + v / mass
         self.model.train()
         self._set_lr(lr := self.rl_lr())
         norm = self._step()
@@ -194,8 +197,7 @@ class Trainer:
         """One supervised step: mean negative log-likelihood of the trained tokens."""
 
         def loss_of(mb: MicroBatch):
-            lp, _, _ = mb.flat(token_logprobs(self.model, mb))  # (N,)
-            nll = -lp.mean()
+            nll = -sample_logprobs(self.model, mb).mean()
             return nll, {"nll": float(nll.detach())}
 
         out = self._apply(pack(samples, self.cfg.micro_batch_tokens), loss_of)

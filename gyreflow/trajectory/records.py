@@ -29,6 +29,17 @@ class CallRecord:
     """Address of the engine that served the call."""
     t_start: float = 0.0
     t_end: float = 0.0
+    temperature: float = 1.0
+    """Temperature the completion was sampled at (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass it was sampled with."""
+
+    @property
+    def trained_as_sample(self) -> bool:
+        """Whether the completion is a sample the trainer can score: drawn at a temperature above 0
+        from the whole distribution. Behaviour log-probs are those of the untruncated distribution,
+        so a greedy or nucleus-truncated completion is context for training, never a sample."""
+        return self.temperature > 0 and self.top_p >= 1.0
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
@@ -52,6 +63,8 @@ class CallRecord:
             "engine": self.engine,
             "t_start": self.t_start,
             "t_end": self.t_end,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
         }
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
+from gyreflow.trajectory.roles import canonical, infer_roles, priority
 
 _ARRAY_DTYPES: dict[str, type] = {
     "tokens": np.int32,
@@ -45,10 +46,13 @@ _ARRAY_DTYPES: dict[str, type] = {
     "node_role": np.int32,
     "node_call": np.int32,
 }
-_EXTRA_DTYPES: dict[str, type] = {
+# Arrays a tree may lack (written before they existed): no extra samples, temperature 1.
+_OPTIONAL_DTYPES: dict[str, type] = {
+    "temperatures": np.float32,
     "extra_index": np.int64,
     "extra_logprobs": np.float32,
     "extra_versions": np.int32,
+    "extra_temperatures": np.float32,
 }
 
 
@@ -78,6 +82,8 @@ class TreePath:
     extra_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (E,) int64
     extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,) int32
+    extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
+    temperatures: np.ndarray | None = None  # (L,) float32, sampling temperature (1 where not sampled)
 
     @property
     def loss_mask(self) -> np.ndarray:
@@ -93,85 +99,65 @@ class TreePath:
         return len(self.tokens)
 
 
+# One token as the builder holds it: the id and, where a call sampled it, that sample's data.
+_TOKEN = np.dtype([("token", np.int32), ("sampled", np.bool_), ("logprob", np.float32), ("version", np.int32),
+                   ("temperature", np.float32)])
+_SAMPLE_FIELDS = ("logprob", "version", "temperature")
+
+
 class _Node:
-    """A mutable trie node used while building: a run of tokens in growable buffers."""
+    """A mutable trie node used while building: a run of tokens in a growable record buffer."""
 
-    __slots__ = ("tokens", "sampled", "logprobs", "versions", "n", "children", "role", "call", "extras")
+    __slots__ = ("buf", "n", "children", "role", "call", "extras")
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        sampled: np.ndarray,
-        logprobs: np.ndarray,
-        versions: np.ndarray,
-        role: str,
-        call: int,
-    ) -> None:
-        self.tokens = tokens.copy()
-        self.sampled = sampled.copy()
-        self.logprobs = logprobs.copy()
-        self.versions = versions.copy()
-        self.n = len(tokens)
+    def __init__(self, run: np.ndarray, role: str, call: int) -> None:
+        self.buf = run.copy()  # (n,) _TOKEN
+        self.n = len(run)
         # Insertion-ordered: pre-order follows creation order, which keeps the layout stable.
         self.children: dict[int, _Node] = {}
         self.role = role
         self.call = call
-        # Further samples of tokens already sampled here: (position in the node, log-prob, version).
-        self.extras: list[tuple[int, float, int]] = []
+        # Further samples of tokens already sampled here: (position in the node, the sample's record).
+        self.extras: list[tuple[int, np.void]] = []
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        n = self.n
-        return self.tokens[:n], self.sampled[:n], self.logprobs[:n], self.versions[:n]
+    @property
+    def run(self) -> np.ndarray:
+        return self.buf[: self.n]
 
-    def extend(
-        self, tokens: np.ndarray, sampled: np.ndarray, logprobs: np.ndarray, versions: np.ndarray
-    ) -> None:
+    def extend(self, run: np.ndarray) -> None:
         """Append a run; capacity doubles so a long chain of calls costs amortised O(tokens)."""
-        need = self.n + len(tokens)
-        if need > len(self.tokens):
-            cap = max(need, 2 * len(self.tokens))
-            for name in ("tokens", "sampled", "logprobs", "versions"):
-                old = getattr(self, name)
-                new = np.empty(cap, dtype=old.dtype)
-                new[: self.n] = old[: self.n]
-                setattr(self, name, new)
-        s = slice(self.n, need)
-        self.tokens[s] = tokens
-        self.sampled[s] = sampled
-        self.logprobs[s] = logprobs
-        self.versions[s] = versions
+        need = self.n + len(run)
+        if need > len(self.buf):
+            new = np.empty(max(need, 2 * len(self.buf)), dtype=_TOKEN)
+            new[: self.n] = self.buf[: self.n]
+            self.buf = new
+        self.buf[self.n : need] = run
         self.n = need
 
-    def mark_sampled(
-        self, k: int, sampled: np.ndarray, logprobs: np.ndarray, versions: np.ndarray
-    ) -> None:
-        """Mark the first ``k`` tokens sampled where the incoming call sampled them.
+    def mark_sampled(self, run: np.ndarray) -> None:
+        """Mark the first ``len(run)`` tokens sampled where the incoming call sampled them.
 
-        Tokens already sampled keep their log-prob and version (first sampler wins); the incoming
-        call's samples of them become extra samples.
+        Tokens already sampled keep their first sampler's data; the incoming call's samples of
+        them become extra samples.
         """
+        sampled = run["sampled"]
         if not sampled.any():
             return
-        again = np.flatnonzero(sampled & self.sampled[:k])  # (r,)
-        self.extras.extend((int(i), float(logprobs[i]), int(versions[i])) for i in again)
-        new = sampled & ~self.sampled[:k]  # (k,)
-        if new.any():
-            self.sampled[:k] |= new
-            self.logprobs[:k][new] = logprobs[new]
-            self.versions[:k][new] = versions[new]
+        have = self.buf["sampled"][: len(run)]
+        self.extras.extend((int(i), run[i].copy()) for i in np.flatnonzero(sampled & have))
+        new = np.flatnonzero(sampled & ~have)
+        self.buf[new] = run[new]
 
     def split(self, k: int) -> None:
         """Cut after ``k`` tokens; the rest becomes this node's only child."""
-        t, s, lp, v = self.arrays()
-        tail = _Node(t[k:], s[k:], lp[k:], v[k:], self.role, self.call)
+        tail = _Node(self.run[k:], self.role, self.call)
         tail.children = self.children
-        tail.extras = [(i - k, x, y) for i, x, y in self.extras if i >= k]
+        tail.extras = [(i - k, r) for i, r in self.extras if i >= k]
         self.extras = [e for e in self.extras if e[0] < k]
         # Copy the head too, so a long node's buffer is not kept alive at full capacity.
-        self.tokens, self.sampled = t[:k].copy(), s[:k].copy()
-        self.logprobs, self.versions = lp[:k].copy(), v[:k].copy()
+        self.buf = self.run[:k].copy()
         self.n = k
-        self.children = {int(tail.tokens[0]): tail}
+        self.children = {int(tail.buf["token"][0]): tail}
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -181,17 +167,20 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return i if neq[i] else len(a)
 
 
-def _call_arrays(call: CallRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A call's sequence and per-token sampled flag, log-prob and version."""
+def _call_run(call: CallRecord) -> np.ndarray:
+    """A call's sequence as token records: completion tokens are samples when the call's settings
+    let the trainer score them (:attr:`CallRecord.trained_as_sample`), context otherwise."""
     p, c = len(call.prompt_ids), len(call.completion_ids)
-    tokens = np.concatenate([call.prompt_ids, call.completion_ids]).astype(np.int32)
-    sampled = np.zeros(p + c, dtype=np.bool_)
-    sampled[p:] = True
-    logprobs = np.zeros(p + c, dtype=np.float32)
-    logprobs[p:] = call.logprobs
-    versions = np.full(p + c, -1, dtype=np.int32)
-    versions[p:] = call.versions
-    return tokens, sampled, logprobs, versions
+    run = np.zeros(p + c, dtype=_TOKEN)
+    run["token"][:p], run["token"][p:] = call.prompt_ids, call.completion_ids
+    run["version"] = -1
+    run["temperature"] = 1.0
+    if call.trained_as_sample:
+        run["sampled"][p:] = True
+        run["logprob"][p:] = call.logprobs
+        run["version"][p:] = call.versions
+        run["temperature"][p:] = call.temperature
+    return run
 
 
 class _TrieBuilder:
@@ -200,39 +189,29 @@ class _TrieBuilder:
     def __init__(self) -> None:
         self.root: dict[int, _Node] = {}
 
-    def insert(self, call: CallRecord) -> None:
-        seq, sampled, logprobs, versions = _call_arrays(call)
+    def insert(self, call: CallRecord, role: str) -> None:
+        seq = _call_run(call)
+        tokens = seq["token"]
         total = len(seq)
         children, parent, pos = self.root, None, 0
         while pos < total:
-            child = children.get(int(seq[pos]))
-            rest = slice(pos, total)
+            child = children.get(int(tokens[pos]))
             if child is None:
                 if parent is not None and not parent.children:
                     # Continues a leaf: grow it rather than hang a single child under it.
-                    parent.extend(seq[rest], sampled[rest], logprobs[rest], versions[rest])
-                    parent.role, parent.call = call.role, call.call_index
+                    parent.extend(seq[pos:])
+                    parent.role, parent.call = role, call.call_index
                 else:
-                    node = _Node(
-                        seq[rest], sampled[rest], logprobs[rest], versions[rest],
-                        call.role, call.call_index,
-                    )
-                    children[int(seq[pos])] = node
+                    children[int(tokens[pos])] = _Node(seq[pos:], role, call.call_index)
                 return
             m = min(child.n, total - pos)
-            run = slice(pos, pos + m)
-            k = _lcp(child.tokens[:m], seq[run])
-            hit = slice(pos, pos + k)
-            child.mark_sampled(k, sampled[hit], logprobs[hit], versions[hit])
+            k = _lcp(child.buf["token"][:m], tokens[pos : pos + m])
+            child.mark_sampled(seq[pos : pos + k])
             if k < child.n:
                 if pos + k < total:
                     # Diverges inside the node: branch at the longest common prefix.
                     child.split(k)
-                    branch = slice(pos + k, total)
-                    child.children[int(seq[pos + k])] = _Node(
-                        seq[branch], sampled[branch], logprobs[branch], versions[branch],
-                        call.role, call.call_index,
-                    )
+                    child.children[int(tokens[pos + k])] = _Node(seq[pos + k :], role, call.call_index)
                 return  # else: a prefix of what is there, nothing new
             children, parent, pos = child.children, child, pos + k
 
@@ -265,11 +244,15 @@ class TrajectoryTree:
     extra_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (E,) int64
     extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,) int32
+    extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
+    temperatures: np.ndarray | None = None  # (U,) float32, sampling temperature; 1 where not sampled
 
     def __post_init__(self) -> None:
         n = len(self.node_parent)
         u = len(self.tokens)
-        if any(len(a) != u for a in (self.sampled, self.logprobs, self.versions)):
+        if self.temperatures is None:
+            self.temperatures = np.ones(u, np.float32)
+        if any(len(a) != u for a in (self.sampled, self.logprobs, self.versions, self.temperatures)):
             raise ValueError("token arrays differ in length")
         if len(self.node_offsets) != n + 1 or len(self.node_role) != n or len(self.node_call) != n:
             raise ValueError("node arrays do not match the node count")
@@ -282,7 +265,7 @@ class TrajectoryTree:
         if n and (self.node_role.min() < 0 or self.node_role.max() >= len(self.roles)):
             raise ValueError("node_role out of range of roles")
         e = len(self.extra_index)
-        if len(self.extra_logprobs) != e or len(self.extra_versions) != e:
+        if any(len(a) != e for a in (self.extra_logprobs, self.extra_versions, self.extra_temperatures)):
             raise ValueError("extra sample arrays differ in length")
         if e and (np.any(np.diff(self.extra_index) < 0) or self.extra_index[0] < 0 or self.extra_index[-1] >= u):
             raise ValueError("extra_index must be ascending token indices")
@@ -371,7 +354,7 @@ class TrajectoryTree:
             nodes = self._node_path(int(self._leaves[leaf]))
             spans = [slice(self.node_offsets[i], self.node_offsets[i + 1]) for i in nodes]
             owned = [np.full(s.stop - s.start, owner[i] == pos) for i, s in zip(nodes, spans)]
-            extra_pos, extra_lp, extra_v = [], [], []
+            extra_pos, extra_lp, extra_v, extra_t = [], [], [], []
             at = 0  # position of the span's first token in the path
             for i, sp in zip(nodes, spans):
                 if owner[i] == pos:
@@ -379,6 +362,7 @@ class TrajectoryTree:
                     extra_pos.append(self.extra_index[a:b] - sp.start + at)
                     extra_lp.append(self.extra_logprobs[a:b])
                     extra_v.append(self.extra_versions[a:b])
+                    extra_t.append(self.extra_temperatures[a:b])
                 at += sp.stop - sp.start
             leaf_node = nodes[-1]
             out.append(
@@ -395,9 +379,41 @@ class TrajectoryTree:
                     extra_pos=np.concatenate(extra_pos).astype(np.int64) if extra_pos else _EMPTY_I64,
                     extra_logprobs=np.concatenate(extra_lp).astype(np.float32) if extra_lp else _EMPTY_F32,
                     extra_versions=np.concatenate(extra_v).astype(np.int32) if extra_v else _EMPTY_I32,
+                    extra_temperatures=np.concatenate(extra_t).astype(np.float32) if extra_t else _EMPTY_F32,
+                    temperatures=np.concatenate([self.temperatures[s] for s in spans]),
                 )
             )
         return out
+
+    def sample_paths(self, j_max: int, seed: int) -> list[int]:
+        """Leaves of the paths to train, at most ``j_max`` of them (0: every leaf, in pre-order).
+
+        Bounded sampling takes paths one at a time: among the role classes (by
+        :func:`~gyreflow.trajectory.roles.priority`) the highest that still has a path with
+        samples no chosen path trains yet, a leaf of that class drawn in proportion to that count.
+        Pass the result to :meth:`paths`, which gives each node to the first chosen path covering
+        it, so shared tokens train once. Deterministic given ``seed``.
+        """
+        if j_max < 0:
+            raise ValueError(f"j_max must be >= 0, got {j_max}")
+        if j_max == 0 or self.n_leaves == 0:
+            return list(range(self.n_leaves))
+        node_samples = np.add.reduceat(self.sample_counts(), self.node_offsets[:-1]) if self.n_nodes else np.zeros(0)
+        nodes = [self._node_path(int(leaf)) for leaf in self._leaves]
+        klass = np.array([priority(self.roles[int(self.node_role[leaf])]) for leaf in self._leaves])  # (n_leaves,)
+        taken = np.zeros(self.n_nodes, dtype=np.bool_)
+        chosen: list[int] = []
+        rng = np.random.default_rng(seed)
+        while len(chosen) < j_max:
+            left = np.array([node_samples[ns][~taken[ns]].sum() for ns in nodes], dtype=np.float64)  # (n_leaves,)
+            left[chosen] = 0
+            if not (left > 0).any():
+                break
+            top = np.flatnonzero((left > 0) & (klass == klass[left > 0].min()))
+            pick = int(rng.choice(top, p=left[top] / left[top].sum()))
+            chosen.append(pick)
+            taken[nodes[pick]] = True
+        return chosen
 
     # --------------------------------------------------------------------------- archive
 
@@ -415,7 +431,7 @@ class TrajectoryTree:
         """
         arrays = {
             name: np.asarray(getattr(self, name), dtype=dt)
-            for name, dt in (_ARRAY_DTYPES | _EXTRA_DTYPES).items()
+            for name, dt in (_ARRAY_DTYPES | _OPTIONAL_DTYPES).items()
         }
         meta = {
             "execution_id": self.execution_id,
@@ -429,13 +445,13 @@ class TrajectoryTree:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], meta: dict) -> TrajectoryTree:
-        """Inverse of :meth:`to_arrays`; validates the structure. Trees without extra-sample arrays
-        (written before they existed) read as having none."""
+        """Inverse of :meth:`to_arrays`; validates the structure. Trees without the optional arrays
+        (written before they existed) read as having no extra samples, all at temperature 1."""
         missing = set(_ARRAY_DTYPES) - set(arrays)
         if missing:
             raise ValueError(f"missing tree arrays: {sorted(missing)}")
         cast = {name: np.asarray(arrays[name], dtype=dt) for name, dt in _ARRAY_DTYPES.items()}
-        cast |= {name: np.asarray(arrays.get(name, np.zeros(0, dt)), dtype=dt) for name, dt in _EXTRA_DTYPES.items()}
+        cast |= {name: np.asarray(arrays[name], dtype=dt) for name, dt in _OPTIONAL_DTYPES.items() if name in arrays}
         return cls(
             execution_id=str(meta["execution_id"]),
             task_id=str(meta["task_id"]),
@@ -450,60 +466,70 @@ class TrajectoryTree:
 def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
     """Pre-order flat arrays of a built trie."""
     roles: dict[str, int] = {}
-    runs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    runs: list[np.ndarray] = []
     parent: list[int] = []
     role: list[int] = []
     call: list[int] = []
-    extras: list[tuple[int, float, int]] = []
+    extra_at: list[int] = []
+    extra: list[np.void] = []
     at = 0
     # Iterative DFS: a chain of hundreds of branches must not hit the recursion limit.
     stack: list[tuple[_Node, int]] = [(n, -1) for n in reversed(root.values())]
     while stack:
         node, par = stack.pop()
         idx = len(parent)
-        runs.append(node.arrays())
-        extras.extend((at + i, lp, v) for i, lp, v in node.extras)
+        runs.append(node.run)
+        for i, r in node.extras:
+            extra_at.append(at + i)
+            extra.append(r)
         at += node.n
         parent.append(par)
         role.append(roles.setdefault(node.role, len(roles)))
         call.append(node.call)
         stack.extend((c, idx) for c in reversed(node.children.values()))
-    lengths = np.array([len(r[0]) for r in runs], dtype=np.int64)
+    flat = np.concatenate(runs) if runs else np.zeros(0, dtype=_TOKEN)
     offsets = np.zeros(len(runs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-
-    def cat(i: int, dtype: type) -> np.ndarray:
-        return np.concatenate([r[i] for r in runs]) if runs else np.zeros(0, dtype=dtype)
-
-    extras.sort(key=lambda e: e[0])  # stable: samples of one token stay in call order
-
+    np.cumsum([len(r) for r in runs], out=offsets[1:])
+    order = np.argsort(np.asarray(extra_at, dtype=np.int64), kind="stable")  # samples of a token stay in call order
+    extras = np.array(extra, dtype=_TOKEN)[order] if extra else np.zeros(0, dtype=_TOKEN)
     return {
-        "tokens": cat(0, np.int32),
-        "sampled": cat(1, np.bool_),
-        "logprobs": cat(2, np.float32),
-        "versions": cat(3, np.int32),
+        "tokens": flat["token"].copy(),
+        "sampled": flat["sampled"].copy(),
+        "logprobs": flat["logprob"].copy(),
+        "versions": flat["version"].copy(),
+        "temperatures": flat["temperature"].copy(),
         "node_offsets": offsets,
         "node_parent": np.asarray(parent, dtype=np.int32),
         "node_role": np.asarray(role, dtype=np.int32),
         "node_call": np.asarray(call, dtype=np.int32),
         "roles": list(roles),
-        "extra_index": np.asarray([e[0] for e in extras], dtype=np.int64),
-        "extra_logprobs": np.asarray([e[1] for e in extras], dtype=np.float32),
-        "extra_versions": np.asarray([e[2] for e in extras], dtype=np.int32),
+        "extra_index": np.asarray(extra_at, dtype=np.int64)[order],
+        "extra_logprobs": extras["logprob"].copy(),
+        "extra_versions": extras["version"].copy(),
+        "extra_temperatures": extras["temperature"].copy(),
     }
+
+
+def _trie(calls: list[CallRecord], roles: list[str]) -> dict[str, np.ndarray | list[str]]:
+    builder = _TrieBuilder()
+    for call, role in zip(calls, roles):
+        builder.insert(call, role)
+    return _flatten(builder.root)
 
 
 def build_tree(result: ExecutionResult) -> TrajectoryTree:
     """Merge an execution's call records into a :class:`TrajectoryTree`.
 
     Calls are inserted in ``call_index`` order (stable for ties), so the first sampler of a
-    token, and the node layout, do not depend on the order records arrived in.
+    token, and the node layout, do not depend on the order records arrived in. Calls that name no
+    role get one by the rule of :mod:`gyreflow.trajectory.roles`.
     """
-    builder = _TrieBuilder()
     calls = sorted(result.calls, key=lambda c: c.call_index)
-    for call in calls:
-        builder.insert(call)
-    flat = _flatten(builder.root)
+    flat = _trie(calls, [canonical(c.role) for c in calls])
+    if any(not c.role for c in calls):
+        parents = set(flat["node_parent"].tolist())
+        leaf_calls = {int(flat["node_call"][i]) for i in range(len(flat["node_parent"])) if i not in parents}
+        flat = _trie(calls, infer_roles(calls, [c.call_index in leaf_calls for c in calls]))
     return TrajectoryTree(
         execution_id=result.execution_id,
         task_id=result.task_id,
