@@ -88,7 +88,7 @@ def run_workload(engine: TorchEngine, args: argparse.Namespace, n: int, tag: str
         ]
         results = [f.result() for f in futures]
     elapsed = time.perf_counter() - t0
-    crashed = [r for r in results if r.end_reason == "crash"]
+    crashed = [r for r in results if r.end_reason == "infra_failure"]
     if crashed or runner.errors:
         raise RuntimeError(f"{len(crashed)} crashed executions; runner errors {runner.errors[:1]}; {crashed[:1]}")
     return elapsed, results

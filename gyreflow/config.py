@@ -80,6 +80,9 @@ class RLConfig:
     """Seed of task choice and sampling."""
     eval_every: int = 8
     """Evaluate the held-out tasks after every this many steps, and after the last."""
+    retries: int = 2
+    """Re-runs of an execution the system failed (an infrastructure or grader failure) before it is
+    dropped as a zero-reward placeholder."""
     j_max: int = 5
     """Paths trained per execution at most, chosen by role priority (0: every path)."""
     aggregation: str = "execution_mean"
@@ -162,6 +165,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"rl.aggregation: unknown {cfg.rl.aggregation!r}; allowed: "
                           f"{', '.join(AGGREGATIONS.names())}")
     _positive("rl.j_max", cfg.rl.j_max, allow_zero=True)
+    _positive("rl.retries", cfg.rl.retries, allow_zero=True)
     for name in ("steps", "tasks_per_step"):
         _positive(f"rl.{name}", getattr(cfg.rl, name))
     if cfg.rl.samples_per_task < 2:

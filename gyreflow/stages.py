@@ -107,14 +107,34 @@ EXECUTORS = {"vault": run_native_execution, "suite": run_external_execution}
 """How an execution of each kind of task runs (the only dispatch on task kind)."""
 
 
-def run_execution(task, agent, execution_id: str, step: int, sample: int, seed: int) -> ExecutionResult:
+def run_execution(task, agent, execution_id: str, step: int, sample: int, seed: int,
+                  retries: int = 2) -> ExecutionResult:
     """One execution of ``task``: the native agent for vault tasks, an agent program for suite
-    tasks; its model calls go through the router. Runs in an execution slot."""
-    router = Router(session=execution_id)
-    try:
-        result = EXECUTORS[task.kind](task, agent, execution_id, step, sample, seed, router)
-    finally:
-        router.close()
+    tasks; its model calls go through the router. Runs in an execution slot.
+
+    Never raises: an execution the system fails (``infra_failure``, ``grader_failure``, or any
+    error of the executor itself) is re-run up to ``retries`` times, each attempt as a new session,
+    then returned as a zero-reward placeholder (:attr:`ExecutionResult.dropped`) with the last
+    attempt's error."""
+    for attempt in range(retries + 1):
+        session = execution_id if attempt == 0 else f"{execution_id}.retry{attempt}"
+        router = Router(session=session)
+        try:
+            result = EXECUTORS[task.kind](task, agent, session, step, sample, seed, router)
+        except Exception as err:
+            result = ExecutionResult(session, task.task_id, step, sample, task.split, [], 0.0, False, "infra_failure",
+                                     {"error": f"{type(err).__name__}: {err}"})
+        finally:
+            router.close()
+        if not result.dropped:
+            break
+    result.metrics["attempts"] = attempt + 1
+    if result.dropped:
+        result = ExecutionResult(execution_id, task.task_id, step, sample, task.split, [], 0.0, False,
+                                 result.end_reason, result.metrics)
+    result.execution_id = execution_id
+    for call in result.calls:
+        call.execution_id = execution_id
     result.worker = get_worker().address
     return result
 
@@ -129,8 +149,14 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
     """Advantages of one group (the executions of one task), and the paths it trains: at most
     ``j_max`` per execution by role priority, each sample weighted by ``aggregation``."""
     rewards = np.array([t.reward for t in trees], dtype=np.float64)  # (G,)
-    adv = ADVANTAGES.get(estimator)(rewards)  # (G,)
-    paths = [t.paths(t.sample_paths(j_max, path_seed(seed, t.execution_id))) for t in trees]
+    kept = np.array([not t.dropped for t in trees], dtype=np.bool_)  # (G,)
+    # Placeholders of executions the system failed are no verdict on the policy: the advantages
+    # are those of the group without them, and they train nothing.
+    adv = np.zeros(len(trees), dtype=np.float64)  # (G,)
+    if kept.any():
+        adv[kept] = ADVANTAGES.get(estimator)(rewards[kept])
+    paths = [t.paths(t.sample_paths(j_max, path_seed(seed, t.execution_id))) if k else []
+             for t, k in zip(trees, kept)]
     weight = AGGREGATIONS.get(aggregation)(np.array([sum(p.n_trained for p in ps) for ps in paths]))  # (G,)
     samples = [PathSample.of(p, a, w) for ps, a, w in zip(paths, adv, weight) for p in ps]
     return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}

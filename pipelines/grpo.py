@@ -46,6 +46,7 @@ from gyreflow.stages import (
 )
 from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
 from gyreflow.storage import commit_step, create_archive, write_execution
+from gyreflow.trajectory.records import END_REASONS
 
 STAGES = Stages(execute=run_execution, tree=make_tree, advantages=group_advantages, gradient=gradient_share,
                 update=apply_update, weights=weights_of, publish=publish_weights)
@@ -123,7 +124,8 @@ def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archiv
     """Submit one step's tasks and its executions' archive writes."""
     tasks = source.train(step, cfg.rl.tasks_per_step)
     groups = [
-        Group(name, [(eid := f"execution-{step}-{name}-{sample}", (task, source.agent(), eid, step, sample, cfg.rl.seed))
+        Group(name, [(eid := f"execution-{step}-{name}-{sample}",
+                      (task, source.agent(), eid, step, sample, cfg.rl.seed, cfg.rl.retries))
                      for sample in range(cfg.rl.samples_per_task)])
         for name, task in zip(group_names(tasks), tasks)
     ]
@@ -152,13 +154,20 @@ def evaluate(client: Client, heldout, source: TaskSource, cfg: RunConfig, versio
     futures, writes = [], []
     for i, task in enumerate(heldout):
         eid = f"eval-v{version}-{i}"
-        futures.append(client.submit(run_execution, task, source.agent(), eid, step, 0, cfg.rl.seed, key=eid,
-                                     resources=SLOT))
+        futures.append(client.submit(run_execution, task, source.agent(), eid, step, 0, cfg.rl.seed, cfg.rl.retries,
+                                     key=eid, resources=SLOT))
         writes.append(client.submit(write_execution, str(archive), futures[-1], key=f"archive-{eid}", resources=SLOT))
     results = client.gather(futures)
-    summary = {"pass_rate": float(np.mean([r.passed for r in results])),
-               "mean_reward": float(np.mean([r.reward for r in results]))}
+    # Executions the system failed are no verdict on the policy: rates are over the others.
+    judged = [r for r in results if not r.dropped] or results
+    summary = {"pass_rate": float(np.mean([r.passed for r in judged])),
+               "mean_reward": float(np.mean([r.reward for r in judged])), "end_reasons": end_reasons(results)}
     return summary, writes
+
+
+def end_reasons(results) -> dict[str, int]:
+    """How many executions ended with each reason (every reason listed, zeros included)."""
+    return {reason: sum(r.end_reason == reason for r in results) for reason in END_REASONS}
 
 
 def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log, last_finish, t_run) -> float:
@@ -172,10 +181,12 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
     else:  # not evaluated at this step
         ev, eval_writes = {"pass_rate": None, "mean_reward": None}, []
     results = client.gather(sf.futures.executions)
+    judged = [r for r in results if not r.dropped] or results
     summaries = client.gather(sf.writes + eval_writes)
     tokens = int(sum(r.tokens_generated for r in results))
     summary = {"version": version, "heldout_pass_rate": ev["pass_rate"],
-               "mean_reward": float(np.mean([r.reward for r in results])), "tokens_generated": tokens}
+               "mean_reward": float(np.mean([r.reward for r in judged])), "tokens_generated": tokens,
+               "end_reasons": end_reasons(results)}
     commit_step(str(archive), sf.step, summary, expected=[s["execution_id"] for s in summaries])
     now = time.time()
     m = trained["metrics"]
@@ -185,8 +196,10 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
         "heldout_pass_rate": ev["pass_rate"],
         "heldout_mean_reward": ev["mean_reward"],
         "mean_reward": summary["mean_reward"],
-        "train_pass_rate": float(np.mean([r.passed for r in results])),
+        "train_pass_rate": float(np.mean([r.passed for r in judged])),
         "tokens_generated": tokens,
+        "end_reasons": summary["end_reasons"],
+        "heldout_end_reasons": ev.get("end_reasons"),
         "wall_s": now - last_finish,
         "elapsed_s": now - t_run,
         "max_staleness": m.get("max_staleness", 0),

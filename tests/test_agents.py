@@ -73,21 +73,22 @@ def test_malformed_call_is_an_observation_not_a_crash():
 def test_budgets_end_executions_with_partial_grades():
     task = make_task("heldout", 3, 4, spare_calls=0)
     out = run_agent(task, scripted(["read()"]), AgentConfig(), "calls")
-    assert out.end_reason == "max_calls" and len(out.calls) == task.max_calls and out.reward == 0.0
+    assert out.end_reason == "budget" and len(out.calls) == task.max_calls and out.reward == 0.0
     out = run_agent(task, scripted(["read()"]), AgentConfig(token_budget=20), "tokens")
-    assert out.end_reason == "token_budget" and out.tokens_generated >= 20
+    assert out.end_reason == "budget" and out.tokens_generated >= 20
     out = run_agent(task, scripted(["read()"]), AgentConfig(time_limit_s=0.0), "time")
     assert out.end_reason == "time_limit" and out.calls == []
 
 
-def test_engine_failure_ends_the_execution_as_crash():
+def test_engine_failure_ends_the_execution_as_an_infrastructure_failure():
     task = make_task("heldout", 4, 2)
 
     def broken(req):
         raise ConnectionError("engine went away")
 
     out = run_agent(task, broken, AgentConfig(), "crash")
-    assert out.end_reason == "crash" and "engine went away" in out.metrics["crash"] and out.reward == 0.0
+    assert out.end_reason == "infra_failure" and "engine went away" in out.metrics["error"] and out.reward == 0.0
+    assert out.dropped
 
 
 def test_prompts_extend_previous_calls_token_exactly():
@@ -117,3 +118,16 @@ def test_demonstrator_is_imperfect_but_competent():
     rate = np.mean([d.passed for d in demos])
     assert 0.3 < rate < 0.98
     assert all(d.calls and d.calls[0].role == "demo" for d in demos)
+
+
+def test_a_grader_that_raises_ends_the_execution_as_a_grader_failure(monkeypatch):
+    from gyreflow.agents import loop
+
+    def broken(self):
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(loop.VaultEnv, "grade", broken)
+    out = run_agent(make_task("heldout", 4, 2), lambda req: (_ for _ in ()).throw(ConnectionError("x")),
+                    AgentConfig(), "grader")
+    assert out.end_reason == "grader_failure" and out.dropped and "disk went away" in out.metrics["error"]
+    assert out.reward == 0.0 and not out.passed

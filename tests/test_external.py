@@ -86,7 +86,7 @@ def test_example_agent_runs_as_an_external_execution(client, model, tasks):
                         resources=SLOT, pure=False)
     result = fut.result()
     assert 1 <= len(result.calls) <= 3, result.metrics
-    assert result.end_reason in ("done", "crash") and result.metrics["returncode"] is not None
+    assert result.end_reason in ("done", "policy_crash") and result.metrics["returncode"] is not None
     assert result.reward == 0.0 and not result.passed  # an untrained policy leaves add() unwritten
     assert [t["command"] for t in result.metrics["tests"]] == list(tasks["add"].tests)
     check_against_reference(model, result, seed=11, max_tokens=24)
@@ -142,7 +142,32 @@ def test_crash_and_flood_end_the_execution_not_the_run(client, tasks):
     futs = [client.submit(run_execution, tasks["greet"], agent, eid, 0, 0, 2, key=eid, resources=SLOT, pure=False)
             for agent, eid in ((crash, "ext-crash"), (flood, "ext-flood"))]
     crashed, flooded = client.gather(futs)
-    assert crashed.end_reason == "crash" and crashed.metrics["returncode"] == 3 and not crashed.calls
+    assert crashed.end_reason == "policy_crash" and crashed.metrics["returncode"] == 3 and not crashed.calls
+    assert not crashed.dropped and crashed.metrics["attempts"] == 1  # the policy's failure: graded, not retried
     assert crashed.reward == pytest.approx(0.5)  # graded as the workspace stands: half its tests pass as given
-    assert flooded.end_reason == "max_calls" and len(flooded.calls) == 5
+    assert flooded.end_reason == "budget" and len(flooded.calls) == 5
     assert flooded.metrics["calls_refused"]["budget"] >= 1
+
+
+def test_executions_the_system_fails_are_retried_then_dropped_without_failing_anything(client, tasks, tmp_path):
+    """An executor that raises (the task's workspace is gone) is re-run within the retry budget,
+    then comes back as a zero-reward placeholder; the future succeeds, so its step goes on. A
+    program that sabotages its checks is the policy's doing: graded, not dropped."""
+    gone = replace(tasks["greet"], workspace=str(tmp_path / "missing"))
+    workspace = tmp_path / "ws"
+    (workspace / "checks").mkdir(parents=True)
+    (workspace / "checks" / "t.sh").write_text("exit 0\n")
+    # The program turns the protected folder into a file; grading puts the folder back.
+    guarded = replace(tasks["greet"], workspace=str(workspace), protected=("checks/t.sh",),
+                      tests=("bash checks/t.sh",), setup=())
+    breaker = ExternalAgent(command=program("import shutil; shutil.rmtree('checks'); open('checks', 'w').write('x')"))
+    futs = [client.submit(run_execution, gone, ExternalAgent(command=program("pass")), "ext-gone", 0, 0, 2, 1,
+                          key="ext-gone", resources=SLOT, pure=False),
+            client.submit(run_execution, guarded, breaker, "ext-sabotage", 0, 0, 2, 2, key="ext-sabotage",
+                          resources=SLOT, pure=False)]
+    infra, sabotage = client.gather(futs)
+    assert infra.end_reason == "infra_failure" and infra.dropped and infra.metrics["attempts"] == 2
+    assert "missing" in infra.metrics["error"] and infra.reward == 0.0 and infra.calls == []
+    assert infra.execution_id == "ext-gone"
+    assert sabotage.end_reason == "done" and not sabotage.dropped and sabotage.metrics["attempts"] == 1
+    assert sabotage.reward == 1.0  # the protected check is back and passes

@@ -106,7 +106,7 @@ def test_suite_tasks_train_the_unmodified_example_agent(tmp_path, tiny_overrides
     train = [reader.load_execution(1, e) for e in reader.executions(1) if e.startswith("execution-")]
     assert {ex.task_id for ex in train} == {"greet", "largest"}  # the suite's train tasks, in turn
     for ex in train:
-        assert ex.calls and len(ex.calls) <= 3 and ex.end_reason in ("done", "crash", "max_calls")
+        assert ex.calls and len(ex.calls) <= 3 and ex.end_reason in ("done", "budget", "policy_crash")
         assert ex.metrics["returncode"] is not None and 0.0 <= ex.reward <= 1.0
         versions = np.concatenate([c.versions for c in ex.calls])
         assert versions.min() >= 0 and versions.max() <= 1

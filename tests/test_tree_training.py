@@ -234,3 +234,22 @@ def test_j_max_bounds_the_paths_of_each_execution():
     assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in one["samples"]]  # seeded
     every = group_advantages(trees, "grpo", 0, "execution_mean", 0)
     assert len(every["samples"]) == 9 and sum(s.n_trained for s in every["samples"]) == 3 * 11
+
+
+def test_a_dropped_execution_leaves_its_group_s_advantages_as_if_it_were_not_there():
+    from gyreflow.algo import ADVANTAGES
+    from gyreflow.stages import group_advantages
+
+    results = [ExecutionResult("e0", "t", 0, 0, "train", chain(), 1.0, True, "done"),
+               ExecutionResult("e1", "t", 0, 1, "train", chain(), 0.25, False, "policy_crash"),
+               ExecutionResult("e2", "t", 0, 2, "train", [], 0.0, False, "infra_failure"),
+               ExecutionResult("e3", "t", 0, 3, "train", chain(), 0.0, False, "budget")]
+    trees = [build_tree(r) for r in results]
+    assert [t.dropped for t in trees] == [False, False, True, False]
+    group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
+    without = ADVANTAGES.get("grpo")(np.array([1.0, 0.25, 0.0]))
+    # by hand: mean 5/12, population std of (1, 1/4, 0)
+    mean, std = 5 / 12, np.sqrt(((1 - 5 / 12) ** 2 + (0.25 - 5 / 12) ** 2 + (5 / 12) ** 2) / 3)
+    np.testing.assert_allclose(without, [(1 - mean) / std, (0.25 - mean) / std, -mean / std], rtol=1e-5)
+    np.testing.assert_allclose(group["advantages"], [without[0], without[1], 0.0, without[2]])
+    assert len(group["samples"]) == 3  # the placeholder trains nothing

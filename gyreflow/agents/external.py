@@ -114,12 +114,15 @@ class SessionHost(Protocol):
 
 
 def _end_reason(returncode: int | None, timed_out: bool, session: Session) -> str:
+    if session.engine_failures and returncode != 0:
+        return "infra_failure"  # the program died of the engine failing it, not of its own doing
     if timed_out:
         return "time_limit"
     if session.refused.get("budget"):
-        return "max_calls" if session.calls_charged >= session.budget.max_calls else (
-            "token_budget" if session.tokens_generated >= session.budget.token_budget else "time_limit")
-    return "done" if returncode == 0 else "crash"
+        spent = (session.calls_charged >= session.budget.max_calls
+                 or session.tokens_generated >= session.budget.token_budget)
+        return "budget" if spent else "time_limit"
+    return "done" if returncode == 0 else "policy_crash"
 
 
 def run_external(task: SuiteTask, agent: ExternalAgent, host: SessionHost, generate: Generate, execution_id: str,
@@ -156,9 +159,17 @@ def run_external(task: SuiteTask, agent: ExternalAgent, host: SessionHost, gener
         session = host.close(execution_id)
     try:
         grade = grade_workspace(task, workdir)
+    except Exception as err:
+        grade = None
+        grade_error = f"{type(err).__name__}: {err}"
     finally:
         if not keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+    if grade is None:
+        return ExecutionResult(execution_id=execution_id, task_id=task.task_id, step=step, sample=sample,
+                               split=task.split, calls=list(session.records), reward=0.0, passed=False,
+                               end_reason="grader_failure", metrics={"error": grade_error,
+                                                                     "returncode": outcome.returncode})
     metrics = {
         "returncode": outcome.returncode, "timed_out": outcome.timed_out, "wall_s": outcome.wall_s,
         "killed_processes": outcome.killed, "tests": [{k: r[k] for k in ("command", "returncode") if k in r}

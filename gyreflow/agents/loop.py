@@ -68,8 +68,9 @@ def run_agent(
 ) -> ExecutionResult:
     """Run one execution of the native agent on ``task``; never raises for the agent's mistakes.
 
-    A malformed tool call becomes an error observation; an engine failure ends the execution with
-    ``end_reason="crash"``; budgets end it with their own reason. It is graded in every case.
+    A malformed tool call becomes an error observation; an engine failure ends the execution as
+    ``infra_failure``; budgets end it as ``budget`` or ``time_limit``. It is graded in every case
+    (``grader_failure`` if grading raises).
     """
     env = VaultEnv(task)
     head = message_ids("user", env.prompt())
@@ -80,11 +81,8 @@ def run_agent(
     t0 = time.monotonic()
     end_reason = "done"
     while not env.finished:
-        if env.calls >= task.max_calls:
-            end_reason = "max_calls"
-            break
-        if generated >= cfg.token_budget:
-            end_reason = "token_budget"
+        if env.calls >= task.max_calls or generated >= cfg.token_budget:
+            end_reason = "budget"
             break
         if time.monotonic() - t0 > cfg.time_limit_s:
             end_reason = "time_limit"
@@ -103,8 +101,8 @@ def run_agent(
         t_call = time.time()
         try:
             out = generate(request)
-        except Exception as err:  # the engine or the route failed: keep what exists, grade it
-            end_reason = "crash"
+        except Exception as err:  # the engine or the route failed: the system's fault, not the policy's
+            end_reason = "infra_failure"
             crash = f"{type(err).__name__}: {err}"
             break
         calls.append(
@@ -132,10 +130,15 @@ def run_agent(
         # A completion cut at max_tokens lacks <|end|>; close it so the next prompt stays well formed.
         closed = completion if completion and completion[-1] == END_ID else completion + [END_ID]
         turns.append(generation_prompt_ids() + closed + message_ids("tool", observation))
-    reward, passed = env.grade()
-    metrics = env.metrics() | {"compactions": compactions, "tokens_generated": generated}
-    if end_reason == "crash":
-        metrics["crash"] = crash
+    metrics = {"compactions": compactions, "tokens_generated": generated}
+    try:
+        reward, passed = env.grade()
+        metrics |= env.metrics()
+    except Exception as err:
+        reward, passed, end_reason = 0.0, False, "grader_failure"
+        metrics["error"] = f"{type(err).__name__}: {err}"
+    if end_reason == "infra_failure":
+        metrics["error"] = crash
     return ExecutionResult(
         execution_id=execution_id,
         task_id=task.task_id,

@@ -234,6 +234,10 @@ def restore_protected(task: SuiteTask, workdir: str | Path) -> list[str]:
                     target.unlink()
                 elif target.is_dir():
                     shutil.rmtree(target)
+                for parent in reversed(rel.parents[:-1]):  # a file or link where a folder belongs
+                    where = workdir / parent
+                    if where.is_symlink() or (where.exists() and not where.is_dir()):
+                        where.unlink()
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(original, target)
                 restored.append(str(rel))

@@ -158,6 +158,8 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
         # Whatever happened, a retry waiting on this call must hear of it, and may try again.
         session.replies.pop(key, None)
         out = _engine_error(err)
+        if out.status >= 500:
+            session.engine_failures += 1
         if out.status == 400:
             session.calls_charged -= 1  # the engine refused it outright: nothing was generated
         reply.done.set_exception(out)

@@ -120,8 +120,8 @@ class Serve:
         session = self.proxy.close(execution_id)
         index = int(execution_id.rsplit("-", 1)[1])
         result = ExecutionResult(execution_id=execution_id, task_id="serve", step=0, sample=index, split="serve",
-                                 calls=list(session.records), reward=0.0, passed=False, end_reason=reason,
-                                 metrics={"tokens_generated": session.tokens_generated,
+                                 calls=list(session.records), reward=0.0, passed=False, end_reason="done",
+                                 metrics={"closed": reason, "tokens_generated": session.tokens_generated,
                                           "calls_refused": dict(session.refused)})
         write_execution(self.archive, result)
         with self._lock:

@@ -124,6 +124,8 @@ class Session:
         """``max_tokens`` of the calls running: what they may still generate."""
         self.inflight = 0
         self.refused: dict[str, int] = {}
+        self.engine_failures = 0
+        """Calls that failed on the engine's side (5xx): an infrastructure failure, not the agent's."""
         self.replies: OrderedDict[str, Reply] = OrderedDict()
         self.turns: dict[object, tuple[frozenset, np.ndarray]] = {}
         """Raw payload cache: tool-call id, or ``("text", content)``, -> (the turn's call ids, the

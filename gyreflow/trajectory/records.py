@@ -1,4 +1,15 @@
-"""What an execution leaves behind: one call record per model call, and the execution's outcome."""
+"""What an execution leaves behind: one call record per model call, and the execution's outcome.
+
+Every execution ends with one reason of :data:`END_REASONS`:
+
+- ``done``: the agent finished (or its program exited cleanly);
+- ``time_limit``, ``budget``: it ran out of time, or of calls or tokens; scored on the work done;
+- ``policy_crash``: the agent's own failure (its program crashed); graded and trained like ``done``;
+- ``infra_failure``: the system failed it (an engine or route that stopped answering, a worker or
+  executor error); ``grader_failure``: grading it failed. These two are the system's fault, not the
+  policy's: the execution is re-run within a budget, then dropped as a zero-reward placeholder that
+  its group's advantages leave out (:attr:`ExecutionResult.dropped`).
+"""
 
 from __future__ import annotations
 
@@ -68,6 +79,21 @@ class CallRecord:
         }
 
 
+END_REASONS = ("done", "time_limit", "budget", "policy_crash", "infra_failure", "grader_failure")
+RETRIED = frozenset({"infra_failure", "grader_failure"})
+"""End reasons that are no verdict on the policy: re-run, then dropped."""
+_LEGACY = {"token_budget": "budget", "max_calls": "budget", "crash": "policy_crash", "closed": "done",
+           "server_stopped": "done"}
+
+
+def end_reason(name: str) -> str:
+    """``name`` as one of :data:`END_REASONS` (names of earlier releases map to theirs)."""
+    name = _LEGACY.get(name, name)
+    if name not in END_REASONS:
+        raise ValueError(f"unknown end reason {name!r}; allowed: {', '.join(END_REASONS)}")
+    return name
+
+
 @dataclass
 class ExecutionResult:
     """One execution of an agent at a task: its calls and how it was graded."""
@@ -83,10 +109,18 @@ class ExecutionResult:
     """Graded score in [0, 1], partial credit included."""
     passed: bool
     end_reason: str
-    """``done``, ``time_limit``, ``token_budget``, ``max_calls`` or ``crash``."""
+    """One of :data:`END_REASONS`."""
     metrics: dict = field(default_factory=dict)
     worker: str = ""
     """Address of the worker that ran the execution."""
+
+    def __post_init__(self) -> None:
+        self.end_reason = end_reason(self.end_reason)
+
+    @property
+    def dropped(self) -> bool:
+        """A placeholder for an execution the system failed: no verdict on the policy, trains nothing."""
+        return self.end_reason in RETRIED
 
     @property
     def tokens_generated(self) -> int:

@@ -246,6 +246,8 @@ class TrajectoryTree:
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,) int32
     extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
     temperatures: np.ndarray | None = None  # (U,) float32, sampling temperature; 1 where not sampled
+    dropped: bool = False
+    """The execution is a placeholder for one the system failed (see :mod:`~gyreflow.trajectory.records`)."""
 
     def __post_init__(self) -> None:
         n = len(self.node_parent)
@@ -440,6 +442,7 @@ class TrajectoryTree:
             "total_tokens": int(self.total_tokens),
             "n_calls": int(self.n_calls),
             "roles": list(self.roles),
+            "dropped": bool(self.dropped),
         }
         return arrays, meta
 
@@ -459,6 +462,7 @@ class TrajectoryTree:
             total_tokens=int(meta["total_tokens"]),
             n_calls=int(meta["n_calls"]),
             roles=[str(r) for r in meta["roles"]],
+            dropped=bool(meta.get("dropped", False)),
             **cast,
         )
 
@@ -536,5 +540,6 @@ def build_tree(result: ExecutionResult) -> TrajectoryTree:
         reward=float(result.reward),
         total_tokens=int(sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)),
         n_calls=len(calls),
+        dropped=result.dropped,
         **flat,
     )
