@@ -72,6 +72,14 @@ class RLConfig:
     """Policy loss (registry ``gyreflow.algo.LOSSES``)."""
     clip_eps: float = 0.2
     """PPO clip range."""
+    clip_eps_high: float = 0.0
+    """Upper PPO clip range ("clip higher"); 0: ``clip_eps``."""
+    clip_ratio_c: float = 3.0
+    """Dual clip for negative advantages (> 1; 0: off): bounds what a stale token with a large
+    ratio can do."""
+    is_cap: float = 2.0
+    """Truncated importance weight (0: off): a sample drawn by the weights being trained is scored
+    on the trainer's own log-prob, weighted by min(trainer / engine probability, ``is_cap``)."""
     staleness: int = 1
     """Most versions a trained token may lag the weights being updated; 0 is on-policy."""
     shares_per_group: int = 1
@@ -174,6 +182,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("rl.shares_per_group", cfg.rl.shares_per_group)
     _positive("rl.eval_every", cfg.rl.eval_every)
     _positive("rl.clip_eps", cfg.rl.clip_eps)
+    _positive("rl.clip_eps_high", cfg.rl.clip_eps_high, allow_zero=True)
+    _positive("rl.is_cap", cfg.rl.is_cap, allow_zero=True)
+    if cfg.rl.clip_ratio_c and cfg.rl.clip_ratio_c <= 1:
+        raise ConfigError(f"rl.clip_ratio_c must be > 1 (or 0: off), got {cfg.rl.clip_ratio_c}")
+    if getattr(LOSSES.get(cfg.rl.loss), "on_policy_only", False) and cfg.rl.staleness > 0:
+        raise ConfigError(f"rl.loss {cfg.rl.loss!r} is correct only on-policy: set rl.staleness=0, or use a loss "
+                          f"with an importance ratio (ppo_clip)")
     _positive("task.horizon", cfg.task.horizon)
     _positive("task.spare_calls", cfg.task.spare_calls, allow_zero=True)
     _positive("task.heldout_tasks", cfg.task.heldout_tasks)

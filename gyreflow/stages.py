@@ -155,6 +155,10 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
     adv = np.zeros(len(trees), dtype=np.float64)  # (G,)
     if kept.any():
         adv[kept] = ADVANTAGES.get(estimator)(rewards[kept])
+    if not adv.any():
+        # No signal (every reward alike): nothing to learn, and a forward and backward saved;
+        # left out of the step, it does not dilute the others either.
+        return {"samples": [], "rewards": rewards.tolist(), "advantages": adv.tolist()}
     paths = [t.paths(t.sample_paths(j_max, path_seed(seed, t.execution_id))) if k else []
              for t, k in zip(trees, kept)]
     weight = AGGREGATIONS.get(aggregation)(np.array([sum(p.n_trained for p in ps) for ps in paths]))  # (G,)
@@ -185,7 +189,8 @@ def partition(sizes: list[int], parts: int) -> list[list[int]]:
     return bins
 
 
-def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str, loss_kwargs: dict) -> dict:
+def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str, loss_kwargs: dict,
+                   max_staleness: int | None = None, is_cap: float = 0.0) -> dict:
     """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
     weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
     mid-step takes shares too."""
@@ -193,7 +198,7 @@ def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str,
     trainable = [s for s in group["samples"] if s.n_trained]
     samples = [trainable[i] for i in partition([s.n_trained for s in trainable], shares)[j]]
     t0 = time.time()
-    out = trainer.gradients(samples, loss, **loss_kwargs)
+    out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)
     out["train_s"] = time.time() - t0
     out["worker"] = get_worker().address
     return out

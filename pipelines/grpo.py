@@ -129,9 +129,12 @@ def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archiv
                      for sample in range(cfg.rl.samples_per_task)])
         for name, task in zip(group_names(tasks), tasks)
     ]
-    loss_kwargs = {"clip_eps": cfg.rl.clip_eps} if cfg.rl.loss == "ppo_clip" else {}
+    loss_kwargs = {"clip_eps": cfg.rl.clip_eps, "clip_eps_high": cfg.rl.clip_eps_high or None,
+                   "clip_ratio_c": cfg.rl.clip_ratio_c or None}
+    staleness = placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness)
     futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed),
-                          gradient_args=(cfg.rl.loss, loss_kwargs), shares_per_group=cfg.rl.shares_per_group)
+                          gradient_args=(cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap),
+                          shares_per_group=cfg.rl.shares_per_group)
     writes = [client.submit(write_execution, str(archive), ex, key=f"archive-{ex.key}", resources=SLOT)
               for ex in futures.executions]
     return StepInFlight(futures, writes)
@@ -203,8 +206,8 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
         "wall_s": now - last_finish,
         "elapsed_s": now - t_run,
         "max_staleness": m.get("max_staleness", 0),
-        "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "grad_norm", "clip_frac", "approx_kl", "train_s",
-                                    "shares", "share_workers") if k in m},
+        "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "stale_masked", "grad_norm", "clip_frac",
+                                    "approx_kl", "train_s", "shares", "share_workers") if k in m},
     }
     entry["placement"] = report.placement_since(client.sync(client.scheduler.gyreflow_pools))
     report.add_step(entry)

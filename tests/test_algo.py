@@ -229,3 +229,23 @@ def test_registry_register_and_duplicate() -> None:
     assert "double" in reg and reg.names() == ["double"]
     with pytest.raises(ValueError, match="already registered"):
         reg.register("double")(lambda x: x)
+
+
+def test_dual_clip_bounds_a_negative_advantage_with_a_large_ratio():
+    """By hand: A = -1, ratio e^2 = 7.39. PPO's min picks r*A = -7.39, a loss of 7.39 growing with
+    the ratio; the dual clip at c = 3 caps it at -c*A = 3, with no gradient."""
+    lp = torch.tensor([0.0, 0.0], requires_grad=True)
+    old = torch.tensor([-2.0, -2.0])
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([1.0, 0.0])
+    plain, _ = LOSSES.get("ppo_clip")(lp, old, adv, mask, clip_eps=0.2)
+    assert float(plain.detach()) == pytest.approx(math.exp(2.0), rel=1e-6)
+    dual, _ = LOSSES.get("ppo_clip")(lp, old, adv, mask, clip_eps=0.2, clip_ratio_c=3.0)
+    assert float(dual.detach()) == pytest.approx(3.0)
+    dual.backward()
+    assert lp.grad.abs().max() == 0
+    # a positive advantage is left alone: clipped at 1 + eps as before
+    pos, _ = LOSSES.get("ppo_clip")(lp.detach(), old, -adv, mask, clip_eps=0.2, clip_ratio_c=3.0)
+    assert float(pos) == pytest.approx(-1.2)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        LOSSES.get("ppo_clip")(lp, old, adv, mask, clip_ratio_c=1.0)

@@ -50,3 +50,11 @@ def test_bad_values_get_one_line_errors(override, message):
         load_config(None, [override])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_unsafe_off_policy_combinations_are_refused():
+    with pytest.raises(ConfigError, match="correct only on-policy: set rl.staleness=0"):
+        load_config(None, ["rl.loss=reinforce"])
+    assert load_config(None, ["rl.loss=reinforce", "rl.staleness=0"]).rl.loss == "reinforce"
+    with pytest.raises(ConfigError, match="rl.clip_ratio_c must be > 1"):
+        load_config(None, ["rl.clip_ratio_c=0.5"])

@@ -111,3 +111,41 @@ def test_rl_learning_rate_warms_up_over_the_first_updates():
     # No warm-up: the first update is already at the full rate.
     t0 = Trainer(build_policy(cfg, seed=1), OptimConfig(lr=lr, warmup_steps=0), version=0)
     assert t0.rl_step(samples(5, 20), "reinforce")["lr"] == pytest.approx(lr)
+
+
+def test_samples_staler_than_the_bound_are_masked():
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    t = Trainer(build_policy(cfg, seed=1), OptimConfig(), version=5)
+    data = samples(6, 3)
+    for k, s in enumerate(data):
+        s.versions[s.trained] = (5, 4, 3)[k % 3]  # staleness 0, 1, 2
+    n = [s.n_trained for s in data]
+    out = t.gradients(data, "ppo_clip", max_staleness=1, clip_eps=0.2)
+    assert out["tokens"] == n[0] + n[1] + n[3] + n[4] and out["stale_masked"] == n[2] + n[5]
+    assert out["oldest"] == 4
+    ref = t.gradients([data[i] for i in (0, 1, 3, 4)], "ppo_clip", clip_eps=0.2)
+    for name, g in ref["grads"].items():
+        np.testing.assert_allclose(out["grads"][name], g, rtol=1e-5, atol=1e-8)
+    assert t.gradients(data, "ppo_clip", clip_eps=0.2)["tokens"] == sum(n)  # no bound: all of them
+
+
+def test_truncated_importance_weight_on_samples_of_the_current_version():
+    """A sample this version drew whose engine log-prob is far below the trainer's (ratio >> cap):
+    scored at ratio 1 with weight cap, its gradient is cap times REINFORCE's; samples of an older
+    version keep the plain ratio against the engine."""
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    t = Trainer(build_policy(cfg, seed=1), OptimConfig(), version=5)
+    data = samples(4, 5)
+    for s in data:
+        s.versions[s.trained] = 5
+        s.logprobs[s.trained] = -60.0  # the trainer's own log-probs are near -5.5: ratio ~ e^54
+    tis = t.gradients(data, "ppo_clip", is_cap=2.0, clip_eps=0.2)
+    plain = t.gradients(data, "reinforce")
+    for name, g in plain["grads"].items():
+        np.testing.assert_allclose(tis["grads"][name], 2.0 * g, rtol=1e-4, atol=1e-7, err_msg=name)
+    for s in data:
+        s.versions[s.trained] = 4  # drawn by the previous version: no correction, PPO clips instead
+    old = t.gradients(data, "ppo_clip", is_cap=2.0, clip_eps=0.2)
+    # every ratio is far above 1 + eps: the clip is the active branch wherever the advantage is positive
+    assert old["sums"]["clip_frac"] == pytest.approx(sum(s.n_trained for s in data if s.advantage > 0))
+    assert 0 < old["sums"]["clip_frac"] < old["tokens"]

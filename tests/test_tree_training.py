@@ -253,3 +253,11 @@ def test_a_dropped_execution_leaves_its_group_s_advantages_as_if_it_were_not_the
     np.testing.assert_allclose(without, [(1 - mean) / std, (0.25 - mean) / std, -mean / std], rtol=1e-5)
     np.testing.assert_allclose(group["advantages"], [without[0], without[1], 0.0, without[2]])
     assert len(group["samples"]) == 3  # the placeholder trains nothing
+
+
+def test_a_group_without_advantage_signal_trains_nothing():
+    from gyreflow.stages import group_advantages
+
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", chain(), 0.5, False, "done")) for i in range(4)]
+    group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
+    assert group["samples"] == [] and group["advantages"] == [0.0] * 4

@@ -82,6 +82,7 @@ def ppo_clip(
     *,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None,
     loss_denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate, token-mean over ``mask``.
@@ -98,6 +99,9 @@ def ppo_clip(
     clip_eps_high
         Upper clip range; a larger value ("clip higher") leaves more room for raising the
         probability of unlikely good tokens.
+    clip_ratio_c
+        Dual clip (> 1): for a negative advantage the objective is at least ``clip_ratio_c * A``,
+        so a stale token whose ratio has grown large cannot push an unbounded update.
     loss_denominator
         Token count to divide by; default ``mask.sum()`` (see the module docstring).
 
@@ -119,6 +123,10 @@ def ppo_clip(
     unclipped = ratio * adv  # (N,)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv  # (N,)
     per_token = -torch.minimum(unclipped, clipped)  # (N,)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_ratio_c * adv), per_token)  # (N,)
     per_token = torch.where(keep, per_token, torch.zeros_like(per_token))  # (N,)
     # mask may carry fractional token weights, hence the product after where().
     loss = (per_token * mask).sum() / _denominator(mask, loss_denominator)
@@ -139,13 +147,14 @@ def reinforce(
     *,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None,
     loss_denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Plain REINFORCE: ``-sum(A * logprobs * mask) / denom``, no importance ratio.
 
-    Correct only on-policy (behaviour == current policy); ``old_logprobs`` are used for the
-    ratio metrics alone, which show how off-policy the batch actually was. ``clip_eps`` and
-    ``clip_eps_high`` are accepted for the shared signature and ignored.
+    Correct only on-policy (behaviour == current policy; runs with staleness > 0 are refused);
+    ``old_logprobs`` are used for the ratio metrics alone, which show how off-policy the batch
+    actually was. The clip parameters are accepted for the shared signature and ignored.
 
     Returns
     -------
@@ -154,7 +163,7 @@ def reinforce(
     metrics
         ``approx_kl``, ``ratio_mean``, ``ratio_max``, ``n_tokens``, and ``clip_frac`` = 0.
     """
-    del clip_eps, clip_eps_high  # shared signature; REINFORCE does not clip
+    del clip_eps, clip_eps_high, clip_ratio_c  # shared signature; REINFORCE does not clip
     _check(logprobs, old_logprobs, advantages, mask)
     keep = mask > 0  # (N,) bool
     # where(), not multiplication, so a masked-out -inf log-prob cannot turn into nan.
@@ -164,3 +173,6 @@ def reinforce(
     metrics = _ratio_metrics(_masked_log_ratio(logprobs.detach(), old_logprobs, keep), keep)
     metrics["clip_frac"] = 0.0
     return loss, metrics
+
+
+reinforce.on_policy_only = True  # type: ignore[attr-defined]  # read by the config validator

@@ -70,27 +70,24 @@ class PathSample:
         """Loss terms: trained tokens plus their further samples."""
         return int(self.trained.sum()) + len(self.extra_pos)
 
-    def trained_versions(self) -> np.ndarray:
-        """Weights version of every loss term."""
-        return np.concatenate([self.versions[self.trained], self.extra_versions])
 
-
-def pack(samples: list[PathSample], max_tokens: int) -> list[MicroBatch]:
-    """Group samples (longest first) into micro-batches of at most ``max_tokens`` padded tokens."""
+def pack(samples: list[PathSample], max_tokens: int, min_version: int | None = None) -> list[MicroBatch]:
+    """Group samples (longest first) into micro-batches of at most ``max_tokens`` padded tokens;
+    samples drawn by a weights version below ``min_version`` are left out (masked as too stale)."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
     batches, current = [], []
     for i in order:
         width = len(samples[current[0]].tokens) if current else len(samples[i].tokens)
         if current and width * (len(current) + 1) > max_tokens:
-            batches.append(_collate([samples[j] for j in current]))
+            batches.append(_collate([samples[j] for j in current], min_version))
             current = []
         current.append(i)
     if current:
-        batches.append(_collate([samples[j] for j in current]))
+        batches.append(_collate([samples[j] for j in current], min_version))
     return batches
 
 
-def _collate(samples: list[PathSample]) -> MicroBatch:
+def _collate(samples: list[PathSample], min_version: int | None = None) -> MicroBatch:
     B, L = len(samples), max(len(s.tokens) for s in samples)
     ids = np.full((B, L), PAD_ID, np.int64)
     attn = np.zeros((B, L), np.int64)
@@ -107,6 +104,8 @@ def _collate(samples: list[PathSample]) -> MicroBatch:
         t = np.concatenate([temps[s.trained], s.extra_temperatures])
         v = np.concatenate([s.versions[s.trained], s.extra_versions])
         keep = pos >= 1
+        if min_version is not None:
+            keep &= v >= min_version
         k = int(keep.sum())
         parts.append((np.full(k, b, np.int64), pos[keep] - 1, old[keep], np.full(k, s.advantage, np.float32), t[keep],
                       v[keep], np.full(k, s.weight, np.float32)))

@@ -114,21 +114,34 @@ class Trainer:
             "sequences": int(sum(mb.input_ids.shape[0] for mb in batches)),
         }
 
-    def _rl_loss(self, loss: str, **loss_kwargs):
+    def _rl_loss(self, loss: str, is_cap: float = 0.0, **loss_kwargs):
         loss_fn = LOSSES.get(loss)
 
         def loss_of(mb: MicroBatch):
             lp = sample_logprobs(self.model, mb)  # (N,)
-            return loss_fn(lp, mb.old_logprobs, mb.advantages, mb.weights, **loss_kwargs)
+            old, weights = mb.old_logprobs, mb.weights
+            if is_cap:
+                # Truncated importance sampling: a sample this very version drew is scored on the
+                # trainer's own log-prob, times min(pi_trainer / pi_engine, is_cap), so a numeric
+                # mismatch between engine and trainer cannot blow the update up.
+                fresh = mb.versions == self.version  # (N,)
+                w_is = torch.exp(lp.detach() - old).clamp(max=is_cap)  # (N,)
+                old = torch.where(fresh, lp.detach(), old)
+                weights = torch.where(fresh, weights * w_is, weights)
+            loss_value, metrics = loss_fn(lp, old, mb.advantages, weights, loss_denominator=float(mb.weights.sum()),
+                                          **loss_kwargs)
+            return loss_value, metrics
 
         return loss_of
 
     @staticmethod
-    def _oldest(samples: list[PathSample]) -> int | None:
-        versions = [v for v in (s.trained_versions() for s in samples) if len(v)]
-        return int(min(v.min() for v in versions)) if versions else None
+    def _oldest(batches: list[MicroBatch]) -> int | None:
+        """Oldest weights version of a trained sample (stale samples left out by packing are not)."""
+        versions = [int(mb.versions.min()) for mb in batches if mb.n_trained]
+        return min(versions) if versions else None
 
-    def gradients(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
+    def gradients(self, samples: list[PathSample], loss: str = "ppo_clip", max_staleness: int | None = None,
+                  is_cap: float = 0.0, **loss_kwargs) -> dict:
         """One share of a step's gradient work, to be summed with the others by :meth:`apply_gradients`.
 
         Returns the *weight-summed* gradient of the loss over ``samples`` (numpy, by parameter
@@ -137,13 +150,14 @@ class Trainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        batches = pack(samples, self.cfg.micro_batch_tokens)
-        sums, tokens, mass = self._backward(batches, self._rl_loss(loss, **loss_kwargs), 1.0)
+        batches = pack(samples, self.cfg.micro_batch_tokens, self._min_version(max_staleness))
+        sums, tokens, mass = self._backward(batches, self._rl_loss(loss, is_cap, **loss_kwargs), 1.0)
         grads = {name: (p.grad.detach().numpy().copy() if p.grad is not None else np.zeros(tuple(p.shape), np.float32))
                  for name, p in self.model.named_parameters()}
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        return {"grads": grads, "tokens": tokens, "weight": mass, "sums": sums, "oldest": self._oldest(samples),
+        return {"grads": grads, "tokens": tokens, "weight": mass, "sums": sums, "oldest": self._oldest(batches),
+                "stale_masked": sum(s.n_trained for s in samples) - sum(mb.n_trained for mb in batches),
                 "padded_tokens": int(sum(mb.input_ids.numel() for mb in batches)), "version": self.version}
 
     def apply_gradients(self, parts: list[dict]) -> dict:
@@ -176,15 +190,22 @@ class Trainer:
             "trained_tokens": int(total),
             "padded_tokens": int(sum(p["padded_tokens"] for p in parts)),
             "shares": len(parts),
+            "stale_masked": int(sum(p.get("stale_masked", 0) for p in parts)),
             "max_staleness": int(self.version - 1 - min(oldest)) if oldest else 0,
             "version": self.version,
         }
 
-    def rl_step(self, samples: list[PathSample], loss: str = "ppo_clip", **loss_kwargs) -> dict:
+    def _min_version(self, max_staleness: int | None) -> int | None:
+        """Oldest weights version a trained sample may come from (``None``: no bound)."""
+        return None if max_staleness is None else self.version - max_staleness
+
+    def rl_step(self, samples: list[PathSample], loss: str = "ppo_clip", max_staleness: int | None = None,
+                is_cap: float = 0.0, **loss_kwargs) -> dict:
         """One policy-gradient step with the registered ``loss`` (importance ratio vs behaviour)."""
-        oldest = self._oldest(samples)
+        batches = pack(samples, self.cfg.micro_batch_tokens, self._min_version(max_staleness))
+        oldest = self._oldest(batches)
         self._set_lr(lr := self.rl_lr())
-        out = self._apply(pack(samples, self.cfg.micro_batch_tokens), self._rl_loss(loss, **loss_kwargs))
+        out = self._apply(batches, self._rl_loss(loss, is_cap, **loss_kwargs))
         if out["trained_tokens"] == 0:
             self.version += 1  # an empty update is still a step (see apply_gradients)
         # Staleness of the oldest trained token: versions behind the weights that were updated.
