@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -30,8 +31,10 @@ from gyreflow.model.policy import build_policy, load_policy, save_policy, state_
 from gyreflow.train.packing import PathSample
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.trainer import Trainer
-from gyreflow.trajectory.records import ExecutionResult
+from gyreflow.trajectory.records import ExecutionResult, record_problems
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
+
+logger = logging.getLogger("gyreflow")
 
 
 def _published(model, version: int, optim, run: str) -> dict:
@@ -139,8 +142,17 @@ def run_execution(task, agent, execution_id: str, step: int, sample: int, seed: 
     return result
 
 
-def make_tree(result: ExecutionResult) -> TrajectoryTree:
-    """The execution's calls merged into a prefix-sharing tree."""
+def make_tree(result: ExecutionResult, vocab_size: int | None = None,
+              max_positions: int | None = None) -> TrajectoryTree:
+    """The execution's calls merged into a prefix-sharing tree. Records that contradict each other
+    (:func:`~gyreflow.trajectory.records.record_problems`) are reported with the execution id and
+    left out: the tree is a dropped placeholder."""
+    problems = record_problems(result, vocab_size, max_positions)
+    if problems:
+        logger.warning("execution %s excluded from training: %s", result.execution_id, "; ".join(problems))
+        return build_tree(ExecutionResult(result.execution_id, result.task_id, result.step, result.sample,
+                                          result.split, [], 0.0, False, "infra_failure",
+                                          {"invalid_records": problems}))
     return build_tree(result)
 
 

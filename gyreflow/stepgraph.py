@@ -38,7 +38,7 @@ class Stages:
     execute: Callable[..., Any]
     """``execute(*args) -> result`` of one execution."""
     tree: Callable[[Any], Any]
-    """``tree(result) -> tree``."""
+    """``tree(result, *tree_args) -> tree``."""
     advantages: Callable[..., dict]
     """``advantages(trees, *advantage_args) -> group``."""
     gradient: Callable[..., dict]
@@ -76,7 +76,7 @@ class StepFutures:
 
 def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stages, state: Future,
                 published: Future, advantage_args: tuple = (), gradient_args: tuple = (),
-                shares_per_group: int = 1) -> StepFutures:
+                shares_per_group: int = 1, tree_args: tuple = ()) -> StepFutures:
     """Submit one step's tasks; ``state``/``published``: the RL state the step updates and its
     weights (the futures of the previous step, or of the warm start). Each group's gradient work
     is cut into ``shares_per_group`` tasks, so the group of the step's last execution is trained
@@ -87,7 +87,7 @@ def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stag
         for eid, args in g.executions:
             ex = client.submit(stages.execute, *args, key=eid, resources=SLOT)
             executions.append(ex)
-            group_trees.append(client.submit(stages.tree, ex, key=f"tree-{eid}", resources=SLOT))
+            group_trees.append(client.submit(stages.tree, ex, *tree_args, key=f"tree-{eid}", resources=SLOT))
         trees.extend(group_trees)
         adv = client.submit(stages.advantages, group_trees, *advantage_args, key=f"advantages-{step}-{g.task_id}",
                             resources=SLOT)

@@ -46,6 +46,7 @@ from gyreflow.stages import (
 )
 from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
 from gyreflow.storage import commit_step, create_archive, write_execution
+from gyreflow.model.tokenizer import VOCAB_SIZE
 from gyreflow.trajectory.records import END_REASONS
 
 STAGES = Stages(execute=run_execution, tree=make_tree, advantages=group_advantages, gradient=gradient_share,
@@ -134,7 +135,8 @@ def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archiv
     staleness = placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness)
     futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed),
                           gradient_args=(cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap),
-                          shares_per_group=cfg.rl.shares_per_group)
+                          shares_per_group=cfg.rl.shares_per_group,
+                          tree_args=(VOCAB_SIZE, cfg.model.max_position_embeddings))
     writes = [client.submit(write_execution, str(archive), ex, key=f"archive-{ex.key}", resources=SLOT)
               for ex in futures.executions]
     return StepInFlight(futures, writes)

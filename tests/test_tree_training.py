@@ -261,3 +261,26 @@ def test_a_group_without_advantage_signal_trains_nothing():
     trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", chain(), 0.5, False, "done")) for i in range(4)]
     group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
     assert group["samples"] == [] and group["advantages"] == [0.0] * 4
+
+
+def test_records_that_contradict_each_other_are_excluded_not_crashed_on(caplog):
+    from gyreflow.stages import make_tree
+
+    good = chain()
+    assert make_tree(ExecutionResult("ok", "t", 0, 0, "train", good, 1.0, True, "done"), 300, 64).n_samples == 8
+    cases = {
+        "outside the vocabulary": [good[0], call(1, seq(good[0]), [23, 400])],
+        "more than the model's 64 positions": [good[0], call(1, seq(good[0]) + [5] * 60, [23])],
+        "goes backwards within the call": [CallRecord("e", 0, "c0", "main", np.array(SYSTEM), np.array([20, 21]),
+                                                      np.zeros(2, np.float32), np.array([3, 2], np.int32))],
+        "version 0 after 2 in an earlier call": [
+            CallRecord("e", 0, "c0", "main", np.array(SYSTEM), np.array([20]), np.zeros(1, np.float32),
+                       np.array([2], np.int32)),
+            CallRecord("e", 1, "c1", "main", np.array(SYSTEM + [20, 30]), np.array([21]), np.zeros(1, np.float32),
+                       np.array([0], np.int32))],
+    }
+    for what, calls in cases.items():
+        with caplog.at_level("WARNING", logger="gyreflow"):
+            tree = make_tree(ExecutionResult(f"bad-{len(what)}", "t", 0, 0, "train", calls, 1.0, True, "done"), 300, 64)
+        assert tree.dropped and tree.n_samples == 0, what
+        assert f"bad-{len(what)}" in caplog.text and what in caplog.text

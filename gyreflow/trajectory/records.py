@@ -94,6 +94,29 @@ def end_reason(name: str) -> str:
     return name
 
 
+def record_problems(result: ExecutionResult, vocab_size: int | None = None,
+                    max_positions: int | None = None) -> list[str]:
+    """What contradicts itself in an execution's call records (empty when nothing does): ids
+    outside the vocabulary, a call longer than the model's positions, a weights version going
+    backwards within a call or from one call to the next."""
+    problems = []
+    last = None
+    for c in sorted(result.calls, key=lambda c: c.call_index):
+        ids = np.concatenate([c.prompt_ids, c.completion_ids])
+        if vocab_size is not None and len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            problems.append(f"call {c.call_index}: token ids outside the vocabulary [0, {vocab_size})")
+        if max_positions is not None and len(ids) > max_positions:
+            problems.append(f"call {c.call_index}: {len(ids)} tokens, more than the model's {max_positions} positions")
+        v = c.versions
+        if len(v) and np.any(np.diff(v) < 0):
+            problems.append(f"call {c.call_index}: weights version goes backwards within the call")
+        if len(v) and last is not None and int(v[0]) < last:
+            problems.append(f"call {c.call_index}: weights version {int(v[0])} after {last} in an earlier call")
+        if len(v):
+            last = int(v[-1])
+    return problems
+
+
 @dataclass
 class ExecutionResult:
     """One execution of an agent at a task: its calls and how it was graded."""
