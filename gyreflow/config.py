@@ -93,6 +93,9 @@ class RLConfig:
     dropped as a zero-reward placeholder."""
     j_max: int = 5
     """Paths trained per execution at most, chosen by role priority (0: every path)."""
+    tree_training: bool = True
+    """Train each execution's chosen paths as one tree (every shared node forwarded once) rather
+    than path by path; the gradient is the same."""
     aggregation: str = "execution_mean"
     """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``)."""
 

@@ -156,10 +156,15 @@ def make_tree(result: ExecutionResult, vocab_size: int | None = None,
     return build_tree(result)
 
 
+# A tree packed as one sequence carries an (L, L) attention mask: longer ones train path by path.
+TREE_PACK_MAX_TOKENS = 4096
+
+
 def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0,
-                     aggregation: str = "token_mean", seed: int = 0) -> dict:
+                     aggregation: str = "token_mean", seed: int = 0, tree_training: bool = False) -> dict:
     """Advantages of one group (the executions of one task), and the paths it trains: at most
-    ``j_max`` per execution by role priority, each sample weighted by ``aggregation``."""
+    ``j_max`` per execution by role priority, each sample weighted by ``aggregation``; with
+    ``tree_training``, an execution's paths are one tree-shaped sample (shared nodes forwarded once)."""
     rewards = np.array([t.reward for t in trees], dtype=np.float64)  # (G,)
     kept = np.array([not t.dropped for t in trees], dtype=np.bool_)  # (G,)
     # Placeholders of executions the system failed are no verdict on the policy: the advantages
@@ -171,10 +176,13 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
         # No signal (every reward alike): nothing to learn, and a forward and backward saved;
         # left out of the step, it does not dilute the others either.
         return {"samples": [], "rewards": rewards.tolist(), "advantages": adv.tolist()}
-    paths = [t.paths(t.sample_paths(j_max, path_seed(seed, t.execution_id))) if k else []
-             for t, k in zip(trees, kept)]
+    leaves = [t.sample_paths(j_max, path_seed(seed, t.execution_id)) if k else [] for t, k in zip(trees, kept)]
+    paths = [t.paths(ls) for t, ls in zip(trees, leaves)]
     weight = AGGREGATIONS.get(aggregation)(np.array([sum(p.n_trained for p in ps) for ps in paths]))  # (G,)
-    samples = [PathSample.of(p, a, w) for ps, a, w in zip(paths, adv, weight) for p in ps]
+    samples = []
+    for t, ls, ps, a, w in zip(trees, leaves, paths, adv, weight):
+        shared = tree_training and len(ps) > 1 and t.unique_tokens <= TREE_PACK_MAX_TOKENS
+        samples += [PathSample.of_tree(t, ls, a, w)] if shared else [PathSample.of(p, a, w) for p in ps]
     return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}
 
 

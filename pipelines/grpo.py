@@ -133,7 +133,9 @@ def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archiv
     loss_kwargs = {"clip_eps": cfg.rl.clip_eps, "clip_eps_high": cfg.rl.clip_eps_high or None,
                    "clip_ratio_c": cfg.rl.clip_ratio_c or None}
     staleness = placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness)
-    futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=(cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed),
+    futures = submit_step(client, step, groups, STAGES, state, published,
+                          advantage_args=(cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed,
+                                          cfg.rl.tree_training),
                           gradient_args=(cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap),
                           shares_per_group=cfg.rl.shares_per_group,
                           tree_args=(VOCAB_SIZE, cfg.model.max_position_embeddings))

@@ -284,3 +284,48 @@ def test_records_that_contradict_each_other_are_excluded_not_crashed_on(caplog):
             tree = make_tree(ExecutionResult(f"bad-{len(what)}", "t", 0, 0, "train", calls, 1.0, True, "done"), 300, 64)
         assert tree.dropped and tree.n_samples == 0, what
         assert f"bad-{len(what)}" in caplog.text and what in caplog.text
+
+
+# ------------------------------------------------------------------------------ tree-shared compute
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tree_packed_training_equals_per_path_training(case):
+    """Each execution's paths packed as one tree (every node forwarded once, attention to ancestors
+    only, positions by depth) give the gradient of training the paths one by one."""
+    calls = CASES[case]()
+    tree = build_tree(ExecutionResult("e", "t", 0, 0, "train", calls, 0.5, False, "done"))
+    trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                                               num_kv_heads=1), seed=4), OptimConfig(), version=2)
+    for leaves in (None, tree.sample_paths(2, seed=1)):
+        paths = tree.paths(leaves)
+        per_path = trainer.gradients([PathSample.of(p, -0.6) for p in paths], "ppo_clip", clip_eps=0.2)
+        packed = PathSample.of_tree(tree, leaves if leaves is not None else range(tree.n_leaves), -0.6)
+        assert len(packed.tokens) <= sum(len(p) for p in paths)
+        assert packed.n_trained == sum(p.n_trained for p in paths)
+        got = trainer.gradients([packed], "ppo_clip", clip_eps=0.2)
+        assert got["tokens"] == per_path["tokens"]
+        for k, v in per_path["sums"].items():
+            assert got["sums"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        for name, g in per_path["grads"].items():
+            np.testing.assert_allclose(got["grads"][name], g, rtol=1e-4, atol=1e-5, err_msg=name)
+    if tree.n_leaves > 1:
+        assert len(PathSample.of_tree(tree, range(tree.n_leaves), 0.0).tokens) < sum(len(p) for p in tree.paths())
+
+
+def test_group_advantages_packs_each_execution_as_one_tree():
+    from gyreflow.stages import group_advantages
+
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", make(), r, False, "done"))
+             for i, (make, r) in enumerate([(chain, 1.0), (best_of_n, 0.0), (sub_agents, 0.5)])]
+    per_path = group_advantages(trees, "grpo", 0, "execution_mean", 0, tree_training=False)
+    packed = group_advantages(trees, "grpo", 0, "execution_mean", 0, tree_training=True)
+    assert len(per_path["samples"]) == sum(t.n_leaves for t in trees) > len(packed["samples"]) == 3
+    assert [s.is_tree for s in packed["samples"]] == [False, True, True]  # a single chain stays a chain
+    trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                               num_kv_heads=2), seed=3), OptimConfig(), version=2)
+    a = trainer.gradients(per_path["samples"], "ppo_clip", clip_eps=0.2)
+    b = trainer.gradients(packed["samples"], "ppo_clip", clip_eps=0.2)
+    assert a["tokens"] == b["tokens"] and a["weight"] == pytest.approx(b["weight"])
+    for name, g in a["grads"].items():
+        np.testing.assert_allclose(b["grads"][name], g, rtol=1e-4, atol=1e-6, err_msg=name)

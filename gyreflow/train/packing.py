@@ -1,9 +1,11 @@
-"""Pack trajectory-tree paths into padded micro-batches.
+"""Pack training sequences into padded micro-batches.
 
-Each path is trained as one causal sequence. The loss mask keeps the tokens the policy sampled
-and that this path owns, so a prefix shared by several paths is trained once; a token that several
-calls sampled at the same context adds one loss term per further sample (``extra_*``), so the loss
-equals that of training every call on its own.
+A :class:`PathSample` is one sequence to train: either one root-to-leaf path of a trajectory tree
+(a causal chain), or several paths of one execution packed as a tree (tree-shared compute: each
+node's tokens are forwarded once, attention is restricted to the token's ancestors, positions are
+depths). Its loss terms are the trained tokens (sampled, and owned by it so a shared prefix trains
+once) and their further samples (``extra_*``: a token that several calls sampled at one context adds
+one term per sample), so the loss equals that of training every call on its own.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from gyreflow.model.chat import PAD_ID
 
 @dataclass
 class MicroBatch:
-    """Padded sequences and their loss terms, one per sample: each trained target token, then each
-    further sample of one (the same target, with that sample's own behaviour data)."""
+    """Padded sequences and their loss terms, one per sample: each trained token, then each further
+    sample of one (the same token, with that sample's own behaviour data)."""
 
     input_ids: torch.Tensor  # (B, L) int64
-    attention_mask: torch.Tensor  # (B, L) int64
-    targets: torch.Tensor  # (B, L-1) int64, input_ids shifted left
+    attention_mask: torch.Tensor  # (B, L) int64 for causal rows, or (B, 1, L, L) bool when a row is a tree
+    position_ids: torch.Tensor  # (B, L) int64
     rows: torch.Tensor  # (N,) int64, sequence of each sample
-    cols: torch.Tensor  # (N,) int64, its target position in the (B, L-1) arrays
+    cols: torch.Tensor  # (N,) int64, position whose logits predict the sample (the token before it)
+    target_ids: torch.Tensor  # (N,) int64, the sampled token
     old_logprobs: torch.Tensor  # (N,) float32, behaviour log-prob of each sample
     advantages: torch.Tensor  # (N,) float32
     temperatures: torch.Tensor  # (N,) float32, temperature the sample was drawn at
@@ -34,17 +37,17 @@ class MicroBatch:
 
     @property
     def n_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        return int((self.input_ids != PAD_ID).sum())
 
     @property
     def n_trained(self) -> int:
-        """Loss terms: trained targets plus their further samples."""
+        """Loss terms: trained tokens plus their further samples."""
         return len(self.rows)
 
 
 @dataclass
 class PathSample:
-    """One sequence to train: a tree path with the advantage of its execution."""
+    """One sequence to train, with the advantage of its execution (see the module docstring)."""
 
     tokens: np.ndarray  # (L,) int32
     trained: np.ndarray  # (L,) bool, sampled & owned
@@ -58,6 +61,12 @@ class PathSample:
     extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,)
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,)
     extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,)
+    # A tree layout (None: a causal chain): each token's position (its depth), the index of the token
+    # before it on its path (-1 for a root), its node, and which nodes are ancestors-or-self of which.
+    positions: np.ndarray | None = None  # (L,) int64
+    prev: np.ndarray | None = None  # (L,) int64
+    node_of: np.ndarray | None = None  # (L,) int32
+    ancestors: np.ndarray | None = None  # (K, K) bool, [a, b]: node b is an ancestor of node a, or a itself
 
     @classmethod
     def of(cls, path, advantage: float, weight: float = 1.0) -> PathSample:
@@ -65,10 +74,32 @@ class PathSample:
         return cls(path.tokens, path.loss_mask, path.logprobs, path.versions, float(advantage), path.temperatures,
                    float(weight), path.extra_pos, path.extra_logprobs, path.extra_versions, path.extra_temperatures)
 
+    @classmethod
+    def of_tree(cls, tree, leaves, advantage: float, weight: float = 1.0) -> PathSample:
+        """The sample that trains the paths to ``leaves`` of a tree at once, each node forwarded once."""
+        p = tree.packed(leaves)
+        return cls(p["tokens"], p["trained"], p["logprobs"], p["versions"], float(advantage), p["temperatures"],
+                   float(weight), p["extra_pos"], p["extra_logprobs"], p["extra_versions"], p["extra_temperatures"],
+                   p["positions"], p["prev"], p["node_of"], p["ancestors"])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.prev is not None
+
     @property
     def n_trained(self) -> int:
         """Loss terms: trained tokens plus their further samples."""
         return int(self.trained.sum()) + len(self.extra_pos)
+
+    def attention(self) -> np.ndarray:
+        """``(L, L)`` bool: which tokens each token attends to."""
+        n = len(self.tokens)
+        causal = np.tri(n, dtype=np.bool_)
+        if not self.is_tree:
+            return causal
+        node = self.node_of.astype(np.int64)
+        same = node[:, None] == node[None, :]
+        return self.ancestors[node[:, None], node[None, :]] & (~same | causal)
 
 
 def pack(samples: list[PathSample], max_tokens: int, min_version: int | None = None) -> list[MicroBatch]:
@@ -89,26 +120,35 @@ def pack(samples: list[PathSample], max_tokens: int, min_version: int | None = N
 
 def _collate(samples: list[PathSample], min_version: int | None = None) -> MicroBatch:
     B, L = len(samples), max(len(s.tokens) for s in samples)
+    trees = any(s.is_tree for s in samples)
     ids = np.full((B, L), PAD_ID, np.int64)
-    attn = np.zeros((B, L), np.int64)
-    parts: list[tuple[np.ndarray, ...]] = []  # per sequence: rows, cols, old, adv, temperature, version, weight
+    positions = np.zeros((B, L), np.int64)
+    if trees:
+        attn = np.zeros((B, 1, L, L), np.bool_)
+        attn[:, 0] = np.eye(L, dtype=np.bool_)  # padding attends to itself: no empty softmax row
+    else:
+        attn = np.zeros((B, L), np.int64)
+    parts: list[tuple[np.ndarray, ...]] = []  # per sequence: rows, cols, targets, old, adv, temperature, version, weight
     for b, s in enumerate(samples):
         n = len(s.tokens)
         ids[b, :n] = s.tokens
-        attn[b, :n] = 1
+        positions[b, :n] = np.arange(n) if s.positions is None else s.positions
+        if trees:
+            attn[b, 0, :n, :n] = s.attention()
+        else:
+            attn[b, :n] = 1
+        prev = np.arange(n, dtype=np.int64) - 1 if s.prev is None else s.prev.astype(np.int64)
         temps = np.ones(n, np.float32) if s.temperatures is None else s.temperatures
-        # Position t predicts token t+1, so token p is the target at column p-1; position 0 has
-        # no context and is never a target.
         pos = np.concatenate([np.flatnonzero(s.trained), s.extra_pos]).astype(np.int64)
         old = np.concatenate([s.logprobs[s.trained], s.extra_logprobs])
         t = np.concatenate([temps[s.trained], s.extra_temperatures])
         v = np.concatenate([s.versions[s.trained], s.extra_versions])
-        keep = pos >= 1
+        keep = prev[pos] >= 0  # a token with nothing before it is never predicted
         if min_version is not None:
             keep &= v >= min_version
         k = int(keep.sum())
-        parts.append((np.full(k, b, np.int64), pos[keep] - 1, old[keep], np.full(k, s.advantage, np.float32), t[keep],
-                      v[keep], np.full(k, s.weight, np.float32)))
+        parts.append((np.full(k, b, np.int64), prev[pos][keep], s.tokens[pos][keep].astype(np.int64), old[keep],
+                      np.full(k, s.advantage, np.float32), t[keep], v[keep], np.full(k, s.weight, np.float32)))
 
     def cat(i: int, dtype) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([p[i] for p in parts]).astype(dtype))
@@ -116,12 +156,13 @@ def _collate(samples: list[PathSample], min_version: int | None = None) -> Micro
     return MicroBatch(
         input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(attn),
-        targets=torch.from_numpy(ids[:, 1:].copy()),
+        position_ids=torch.from_numpy(positions),
         rows=cat(0, np.int64),
         cols=cat(1, np.int64),
-        old_logprobs=cat(2, np.float32),
-        advantages=cat(3, np.float32),
-        temperatures=cat(4, np.float32),
-        versions=cat(5, np.int64),
-        weights=cat(6, np.float32),
+        target_ids=cat(2, np.int64),
+        old_logprobs=cat(3, np.float32),
+        advantages=cat(4, np.float32),
+        temperatures=cat(5, np.float32),
+        versions=cat(6, np.int64),
+        weights=cat(7, np.float32),
     )

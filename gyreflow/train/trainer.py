@@ -38,9 +38,10 @@ class OptimConfig:
 def sample_logprobs(model, mb: MicroBatch) -> torch.Tensor:
     """Log-prob of each of the micro-batch's samples under ``model``, at the temperature it was
     drawn at: (N,)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # (B, L, V)
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                   position_ids=mb.position_ids).logits  # (B, L, V)
     z = logits[mb.rows, mb.cols].float() / mb.temperatures[:, None]  # (N, V)
-    return torch.log_softmax(z, dim=-1).gather(-1, mb.targets[mb.rows, mb.cols][:, None]).squeeze(-1)  # (N,)
+    return torch.log_softmax(z, dim=-1).gather(-1, mb.target_ids[:, None]).squeeze(-1)  # (N,)
 
 
 class Trainer:

@@ -387,6 +387,47 @@ class TrajectoryTree:
             )
         return out
 
+    def packed(self, leaves: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """The paths to ``leaves`` (default all) as one tree-shaped sequence, each node once.
+
+        Nodes are in pre-order; every sampled token of them trains once (each is owned by exactly
+        one of the paths), with its extra samples. Returns the arrays of a tree-layout
+        :class:`~gyreflow.train.packing.PathSample`: ``tokens``, ``trained``, ``logprobs``,
+        ``versions``, ``temperatures``, ``positions`` (depth), ``prev`` (the token before each one
+        on its path, -1 at a root), ``node_of``, ``ancestors`` (K, K) and the ``extra_*`` arrays.
+        """
+        order = list(range(self.n_leaves)) if leaves is None else [int(x) for x in leaves]
+        covered = sorted({n for leaf in order for n in self._node_path(int(self._leaves[leaf]))})  # pre-order
+        local = {n: i for i, n in enumerate(covered)}
+        K = len(covered)
+        spans = [slice(int(self.node_offsets[n]), int(self.node_offsets[n + 1])) for n in covered]
+        sizes = np.array([sp.stop - sp.start for sp in spans], dtype=np.int64)
+        start = np.concatenate([[0], np.cumsum(sizes)])[:-1]  # (K,) first index of each node in the pack
+        depth = np.zeros(K, dtype=np.int64)  # (K,) depth of each node's first token
+        ancestors = np.eye(K, dtype=np.bool_)
+        prev_first = np.full(K, -1, dtype=np.int64)  # (K,) the token before each node's first one
+        for i, n in enumerate(covered):
+            p = int(self.node_parent[n])
+            if p >= 0:
+                j = local[p]
+                depth[i] = depth[j] + sizes[j]
+                ancestors[i] |= ancestors[j]
+                prev_first[i] = start[j] + sizes[j] - 1
+        idx = np.concatenate([np.arange(sp.start, sp.stop) for sp in spans]) if K else np.zeros(0, np.int64)
+        node_of = np.repeat(np.arange(K, dtype=np.int32), sizes)
+        within = np.arange(len(idx)) - start[node_of]  # offset of each token in its node
+        prev = np.where(within == 0, prev_first[node_of], np.arange(len(idx)) - 1)
+        pos_in_pack = np.full(len(self.tokens), -1, dtype=np.int64)
+        pos_in_pack[idx] = np.arange(len(idx))
+        e = np.flatnonzero(pos_in_pack[self.extra_index] >= 0) if len(self.extra_index) else np.zeros(0, np.int64)
+        return {
+            "tokens": self.tokens[idx], "trained": self.sampled[idx].copy(), "logprobs": self.logprobs[idx],
+            "versions": self.versions[idx], "temperatures": self.temperatures[idx],
+            "positions": depth[node_of] + within, "prev": prev, "node_of": node_of, "ancestors": ancestors,
+            "extra_pos": pos_in_pack[self.extra_index[e]], "extra_logprobs": self.extra_logprobs[e],
+            "extra_versions": self.extra_versions[e], "extra_temperatures": self.extra_temperatures[e],
+        }
+
     def sample_paths(self, j_max: int, seed: int) -> list[int]:
         """Leaves of the paths to train, at most ``j_max`` of them (0: every leaf, in pre-order).
 
