@@ -298,6 +298,22 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, ex
         console.print(f"figures written to {json_path}")
 
 
+@bench.command("trajectories")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Rounds of each timing.")
+@click.option("--executions", type=click.IntRange(1), default=4, show_default=True, help="Executions per timing.")
+@click.option("--path-tokens", type=click.IntRange(16), default=640, show_default=True, help="Tokens of each path.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_trajectories(repeats, executions, path_tokens, json_path) -> None:
+    """Tree-shared vs per-path training time, and forward-backward time at J_max 1 and 5 vs uncapped."""
+    from gyreflow.bench import trajectories
+
+    out = trajectories.run(executions=executions, path_tokens=path_tokens, repeats=repeats)
+    click.echo(trajectories.summary(out))
+    if json_path:
+        trajectories.write_json(out, json_path)
+        click.echo(f"figures written to {json_path}")
+
+
 @bench.command("placement-tables")
 @click.argument("json_paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--update", "readme", type=click.Path(exists=True, dir_okay=False),

@@ -1,0 +1,34 @@
+"""`gyreflow bench trajectories` end to end at a tiny size: the JSON other tools read."""
+
+import json
+import subprocess
+import sys
+
+from gyreflow.bench.trajectories import branching_execution
+from gyreflow.trajectory.tree import build_tree
+
+import numpy as np
+
+
+def test_branching_executions_share_the_requested_prefix():
+    tree = build_tree(branching_execution(np.random.default_rng(0), "e", 200, 0.8, 8))
+    paths = tree.paths()
+    assert tree.n_leaves == 8 and all(len(p) == 200 for p in paths)
+    # 160 shared tokens stored once, then 8 branches of 40
+    assert tree.unique_tokens == 160 + 8 * 40
+
+
+def test_bench_trajectories_writes_the_ratios(tmp_path):
+    out = tmp_path / "t.json"
+    p = subprocess.run([sys.executable, "-m", "gyreflow.cli", "bench", "trajectories", "--repeats", "2",
+                        "--executions", "1", "--path-tokens", "40", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    data = json.loads(out.read_text())
+    assert set(data["jmax_fwd_bwd_fraction"]) == {"1", "5"}
+    for ratio in (data["tree_training_speedup"], *data["jmax_fwd_bwd_fraction"].values()):
+        assert set(ratio) >= {"mean", "min", "max"} and ratio["min"] <= ratio["mean"] <= ratio["max"]
+        assert len(ratio["runs"]) == 2 and ratio["min"] > 0
+    # per path: 8 paths x 40 tokens; as one tree: 32 shared + 8 x 8
+    assert data["tokens_forwarded"] == {"per_path": 320, "tree": 96}
+    assert "tree_training_speedup" in p.stdout
