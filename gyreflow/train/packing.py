@@ -36,10 +36,6 @@ class MicroBatch:
     weights: torch.Tensor  # (N,) float32, weight of each sample in the step's loss
 
     @property
-    def n_tokens(self) -> int:
-        return int((self.input_ids != PAD_ID).sum())
-
-    @property
     def n_trained(self) -> int:
         """Loss terms: trained tokens plus their further samples."""
         return len(self.rows)
