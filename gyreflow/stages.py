@@ -30,7 +30,7 @@ from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
 from gyreflow.model.policy import build_policy, load_policy, save_policy, state_dict_numpy
 from gyreflow.train.packing import PathSample
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
-from gyreflow.train.trainer import Trainer
+from gyreflow.train.trainer import GradientShare, Trainer
 from gyreflow.trajectory.records import ExecutionResult, record_problems
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
@@ -210,7 +210,7 @@ def partition(sizes: list[int], parts: int) -> list[list[int]]:
 
 
 def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str, loss_kwargs: dict,
-                   max_staleness: int | None = None, is_cap: float = 0.0) -> dict:
+                   max_staleness: int | None = None, is_cap: float = 0.0) -> GradientShare:
     """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
     weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
     mid-step takes shares too."""
@@ -219,12 +219,12 @@ def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str,
     samples = [trainable[i] for i in partition([s.n_trained for s in trainable], shares)[j]]
     t0 = time.time()
     out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)
-    out["train_s"] = time.time() - t0
-    out["worker"] = get_worker().address
+    out.train_s = time.time() - t0
+    out.worker = get_worker().address
     return out
 
 
-def apply_update(step: int, shares: list[dict], state: dict) -> dict:
+def apply_update(step: int, shares: list[GradientShare], state: dict) -> dict:
     """The step's optimizer update from its gradient shares; the next RL state (new weights
     version, optimizer state). Runs on a trainer cell."""
     service = get_worker().plugins[TRAINER_PLUGIN]
@@ -233,8 +233,8 @@ def apply_update(step: int, shares: list[dict], state: dict) -> dict:
     metrics = trainer.apply_gradients(shares)
     service.applied()
     metrics["apply_s"] = time.time() - t0
-    metrics["train_s"] = sum(s["train_s"] for s in shares) + metrics["apply_s"]
-    metrics["share_workers"] = sorted({s["worker"] for s in shares})
+    metrics["train_s"] = sum(s.train_s for s in shares) + metrics["apply_s"]
+    metrics["share_workers"] = sorted({s.worker for s in shares})
     metrics["step"] = step
     return _published(trainer.model, trainer.version, trainer.cfg, state["run"]) | {
         "optimizer": trainer.optimizer.state_dict(), "metrics": metrics}

@@ -7,7 +7,7 @@ import torch
 from gyreflow.model.policy import ModelConfig, build_policy
 from gyreflow.stages import partition
 from gyreflow.train.packing import PathSample
-from gyreflow.train.trainer import OptimConfig, Trainer
+from gyreflow.train.trainer import GradientShare, OptimConfig, Trainer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,8 +83,7 @@ def test_a_step_with_nothing_to_train_still_advances_the_version():
     model = build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2))
     trainer = Trainer(model, OptimConfig(), version=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    out = trainer.apply_gradients([{"version": 3, "tokens": 0, "weight": 0.0, "oldest": None, "grads": {}, "sums": {},
-                                    "padded_tokens": 0}])
+    out = trainer.apply_gradients([GradientShare({}, 0, 0.0, {}, None, 0, 0, version=3)])
     assert out["version"] == trainer.version == 4 and out["trained_tokens"] == 0
     assert trainer.rl_step([])["version"] == 5
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -121,12 +120,12 @@ def test_samples_staler_than_the_bound_are_masked():
         s.versions[s.trained] = (5, 4, 3)[k % 3]  # staleness 0, 1, 2
     n = [s.n_trained for s in data]
     out = t.gradients(data, "ppo_clip", max_staleness=1, clip_eps=0.2)
-    assert out["tokens"] == n[0] + n[1] + n[3] + n[4] and out["stale_masked"] == n[2] + n[5]
-    assert out["oldest"] == 4
+    assert out.tokens == n[0] + n[1] + n[3] + n[4] and out.stale_masked == n[2] + n[5]
+    assert out.oldest == 4
     ref = t.gradients([data[i] for i in (0, 1, 3, 4)], "ppo_clip", clip_eps=0.2)
-    for name, g in ref["grads"].items():
-        np.testing.assert_allclose(out["grads"][name], g, rtol=1e-5, atol=1e-8)
-    assert t.gradients(data, "ppo_clip", clip_eps=0.2)["tokens"] == sum(n)  # no bound: all of them
+    for name, g in ref.grads.items():
+        np.testing.assert_allclose(out.grads[name], g, rtol=1e-5, atol=1e-8)
+    assert t.gradients(data, "ppo_clip", clip_eps=0.2).tokens == sum(n)  # no bound: all of them
 
 
 def test_truncated_importance_weight_on_samples_of_the_current_version():
@@ -141,11 +140,11 @@ def test_truncated_importance_weight_on_samples_of_the_current_version():
         s.logprobs[s.trained] = -60.0  # the trainer's own log-probs are near -5.5: ratio ~ e^54
     tis = t.gradients(data, "ppo_clip", is_cap=2.0, clip_eps=0.2)
     plain = t.gradients(data, "reinforce")
-    for name, g in plain["grads"].items():
-        np.testing.assert_allclose(tis["grads"][name], 2.0 * g, rtol=1e-4, atol=1e-7, err_msg=name)
+    for name, g in plain.grads.items():
+        np.testing.assert_allclose(tis.grads[name], 2.0 * g, rtol=1e-4, atol=1e-7, err_msg=name)
     for s in data:
         s.versions[s.trained] = 4  # drawn by the previous version: no correction, PPO clips instead
     old = t.gradients(data, "ppo_clip", is_cap=2.0, clip_eps=0.2)
     # every ratio is far above 1 + eps: the clip is the active branch wherever the advantage is positive
-    assert old["sums"]["clip_frac"] == pytest.approx(sum(s.n_trained for s in data if s.advantage > 0))
-    assert 0 < old["sums"]["clip_frac"] < old["tokens"]
+    assert old.sums["clip_frac"] == pytest.approx(sum(s.n_trained for s in data if s.advantage > 0))
+    assert 0 < old.sums["clip_frac"] < old.tokens

@@ -99,16 +99,16 @@ def test_tree_equals_every_call_on_its_own(case, loss):
     kw = {"clip_eps": 0.2} if loss == "ppo_clip" else {}
     got = trainer.gradients([PathSample.of(p, 0.7) for p in tree.paths()], loss, **kw)
     ref = trainer.gradients(per_call(calls, 0.7), loss, **kw)
-    assert got["tokens"] == ref["tokens"] == tree.n_samples
-    assert got["oldest"] == ref["oldest"]
-    for k, v in ref["sums"].items():
-        assert got["sums"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert got.tokens == ref.tokens == tree.n_samples
+    assert got.oldest == ref.oldest
+    for k, v in ref.sums.items():
+        assert got.sums[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     if loss == "ppo_clip":
         # token-summed: the count of clipped samples
-        assert 0 < ref["sums"]["clip_frac"] < ref["tokens"], "the case should clip some samples and not others"
-    for name, g in ref["grads"].items():
+        assert 0 < ref.sums["clip_frac"] < ref.tokens, "the case should clip some samples and not others"
+    for name, g in ref.grads.items():
         assert np.abs(g).max() > 0 or name.endswith("bias")
-        np.testing.assert_allclose(got["grads"][name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got.grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_sft_counts_repeated_samples():
@@ -156,14 +156,14 @@ def test_on_policy_samples_at_their_own_temperature_have_ratio_one():
     assert sorted(set(tree.temperatures[tree.sampled].tolist())) == [0.5, 1.0, 1.5]
     trainer = Trainer(model, OptimConfig(), version=0)
     out = trainer.gradients([PathSample.of(p, 1.0) for p in tree.paths()], "ppo_clip", clip_eps=0.2)
-    n = out["tokens"]
+    n = out.tokens
     assert n == tree.n_samples == 36
-    assert out["sums"]["ratio_mean"] / n == pytest.approx(1.0, abs=1e-4)
-    assert out["sums"]["approx_kl"] / n == pytest.approx(0.0, abs=1e-6)
+    assert out.sums["ratio_mean"] / n == pytest.approx(1.0, abs=1e-4)
+    assert out.sums["approx_kl"] / n == pytest.approx(0.0, abs=1e-6)
     # Scored at temperature 1 throughout (what the trainer did before), the ratios are not 1.
     flat = [PathSample(p.tokens, p.loss_mask, p.logprobs, p.versions, 1.0, extra_pos=p.extra_pos,
                        extra_logprobs=p.extra_logprobs, extra_versions=p.extra_versions) for p in tree.paths()]
-    assert trainer.gradients(flat, "ppo_clip", clip_eps=0.2)["sums"]["approx_kl"] / n > 1e-3
+    assert trainer.gradients(flat, "ppo_clip", clip_eps=0.2).sums["approx_kl"] / n > 1e-3
 
 
 def test_greedy_and_nucleus_calls_are_context_not_samples():
@@ -207,18 +207,18 @@ def test_two_level_averaging_is_the_mean_over_executions_of_their_token_means():
                                                num_kv_heads=2), seed=3), OptimConfig(), version=2)
     group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
     got = trainer.gradients(group["samples"], "ppo_clip", clip_eps=0.2)
-    assert got["tokens"] == 33 and got["weight"] == pytest.approx(3.0)
+    assert got.tokens == 33 and got.weight == pytest.approx(3.0)
     # The reference: each execution's own token-mean gradient, then their plain mean.
     per = []
     for t, a in zip(trees, group["advantages"]):
         r = trainer.gradients([PathSample.of(p, a) for p in t.paths()], "ppo_clip", clip_eps=0.2)
-        per.append({k: g / r["tokens"] for k, g in r["grads"].items()})
-    for name, g in got["grads"].items():
-        np.testing.assert_allclose(g / got["weight"], np.mean([p[name] for p in per], axis=0), rtol=1e-4, atol=1e-7,
+        per.append({k: g / r.tokens for k, g in r.grads.items()})
+    for name, g in got.grads.items():
+        np.testing.assert_allclose(g / got.weight, np.mean([p[name] for p in per], axis=0), rtol=1e-4, atol=1e-7,
                                    err_msg=name)
     # token_mean weighs every sample alike: the 14-sample execution counts 14/33, not 1/3.
     flat = trainer.gradients(group_advantages(trees, "grpo", 0, "token_mean", 0)["samples"], "ppo_clip", clip_eps=0.2)
-    assert flat["weight"] == pytest.approx(33.0)
+    assert flat.weight == pytest.approx(33.0)
 
 
 def test_j_max_bounds_the_paths_of_each_execution():
@@ -304,11 +304,11 @@ def test_tree_packed_training_equals_per_path_training(case):
         assert len(packed.tokens) <= sum(len(p) for p in paths)
         assert packed.n_trained == sum(p.n_trained for p in paths)
         got = trainer.gradients([packed], "ppo_clip", clip_eps=0.2)
-        assert got["tokens"] == per_path["tokens"]
-        for k, v in per_path["sums"].items():
-            assert got["sums"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-        for name, g in per_path["grads"].items():
-            np.testing.assert_allclose(got["grads"][name], g, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert got.tokens == per_path.tokens
+        for k, v in per_path.sums.items():
+            assert got.sums[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        for name, g in per_path.grads.items():
+            np.testing.assert_allclose(got.grads[name], g, rtol=1e-4, atol=1e-5, err_msg=name)
     if tree.n_leaves > 1:
         assert len(PathSample.of_tree(tree, range(tree.n_leaves), 0.0).tokens) < sum(len(p) for p in tree.paths())
 
@@ -326,6 +326,6 @@ def test_group_advantages_packs_each_execution_as_one_tree():
                                                num_kv_heads=2), seed=3), OptimConfig(), version=2)
     a = trainer.gradients(per_path["samples"], "ppo_clip", clip_eps=0.2)
     b = trainer.gradients(packed["samples"], "ppo_clip", clip_eps=0.2)
-    assert a["tokens"] == b["tokens"] and a["weight"] == pytest.approx(b["weight"])
-    for name, g in a["grads"].items():
-        np.testing.assert_allclose(b["grads"][name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+    assert a.tokens == b.tokens and a.weight == pytest.approx(b.weight)
+    for name, g in a.grads.items():
+        np.testing.assert_allclose(b.grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)

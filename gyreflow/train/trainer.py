@@ -17,6 +17,30 @@ from gyreflow.model.policy import state_dict_numpy
 from gyreflow.train.packing import MicroBatch, PathSample, pack
 
 
+@dataclass
+class GradientShare:
+    """One share of a step's gradient work (:meth:`Trainer.gradients`), summed by
+    :meth:`Trainer.apply_gradients`."""
+
+    grads: dict[str, np.ndarray]
+    """Weight-summed gradient of the loss over the share's samples, by parameter name."""
+    tokens: int
+    """Samples trained."""
+    weight: float
+    """Their total loss weight (the step divides by the sum over its shares)."""
+    sums: dict[str, float]
+    """Weight-summed metrics of the loss."""
+    oldest: int | None
+    """Oldest weights version of a trained sample."""
+    stale_masked: int
+    """Samples left out as staler than the bound."""
+    padded_tokens: int
+    version: int
+    """Weights version the gradient was taken at."""
+    train_s: float = 0.0
+    worker: str = ""
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """Optimizer and batching of the trainer."""
@@ -157,30 +181,31 @@ class Trainer:
                  for name, p in self.model.named_parameters()}
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        return {"grads": grads, "tokens": tokens, "weight": mass, "sums": sums, "oldest": self._oldest(batches),
-                "stale_masked": sum(s.n_trained for s in samples) - sum(mb.n_trained for mb in batches),
-                "padded_tokens": int(sum(mb.input_ids.numel() for mb in batches)), "version": self.version}
+        return GradientShare(grads, tokens, mass, sums, self._oldest(batches),
+                             sum(s.n_trained for s in samples) - sum(mb.n_trained for mb in batches),
+                             int(sum(mb.input_ids.numel() for mb in batches)), self.version)
 
-    def apply_gradients(self, parts: list[dict]) -> dict:
+    def apply_gradients(self, parts: list[GradientShare]) -> dict:
         """The optimizer step of a step whose gradient work was split into ``parts``: the same
         update as :meth:`rl_step` on all their samples at once (a token mean over the step)."""
         for part in parts:
-            if part["version"] != self.version:
-                raise ValueError(f"a gradient share was computed at version {part['version']}, the trainer is at {self.version}")
-        total = sum(p["tokens"] for p in parts)
-        mass = sum(p["weight"] for p in parts)
-        oldest = [p["oldest"] for p in parts if p["oldest"] is not None]
+            if part.version != self.version:
+                raise ValueError(f"a gradient share was computed at version {part.version}, the trainer is at "
+                                 f"{self.version}")
+        total = sum(p.tokens for p in parts)
+        mass = sum(p.weight for p in parts)
+        oldest = [p.oldest for p in parts if p.oldest is not None]
         if total == 0 or mass == 0:
             # Nothing to learn (every advantage zero): an empty update. The version still
             # advances, so a version always counts the steps applied.
             self.version += 1
             return {"trained_tokens": 0, "max_staleness": 0, "version": self.version}
         for name, param in self.model.named_parameters():
-            g = sum(p["grads"][name] for p in parts) / mass
+            g = sum(p.grads[name] for p in parts) / mass
             param.grad = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)).to(param.dtype)
         sums: dict[str, float] = {}
         for p in parts:
-            for k, v in p["sums"].items():
+            for k, v in p.sums.items():
                 sums[k] = sums.get(k, 0.0) + v / mass
         self.model.train()
         self._set_lr(lr := self.rl_lr())
@@ -189,9 +214,9 @@ class Trainer:
             "lr": lr,
             "grad_norm": norm,
             "trained_tokens": int(total),
-            "padded_tokens": int(sum(p["padded_tokens"] for p in parts)),
+            "padded_tokens": int(sum(p.padded_tokens for p in parts)),
             "shares": len(parts),
-            "stale_masked": int(sum(p.get("stale_masked", 0) for p in parts)),
+            "stale_masked": int(sum(p.stale_masked for p in parts)),
             "max_staleness": int(self.version - 1 - min(oldest)) if oldest else 0,
             "version": self.version,
         }
