@@ -74,10 +74,10 @@ class RLConfig:
     """PPO clip range."""
     clip_eps_high: float = 0.0
     """Upper PPO clip range ("clip higher"); 0: ``clip_eps``."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = 0.0
     """Dual clip for negative advantages (> 1; 0: off): bounds what a stale token with a large
-    ratio can do."""
-    is_cap: float = 2.0
+    ratio can do. Off by default: on the main job, with ``is_cap`` 2, the policy collapsed by step 6."""
+    is_cap: float = 0.0
     """Truncated importance weight (0: off): a sample drawn by the weights being trained is scored
     on the trainer's own log-prob, weighted by min(trainer / engine probability, ``is_cap``)."""
     staleness: int = 1
@@ -96,8 +96,9 @@ class RLConfig:
     tree_training: bool = True
     """Train each execution's chosen paths as one tree (every shared node forwarded once) rather
     than path by path; the gradient is the same."""
-    aggregation: str = "execution_mean"
-    """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``)."""
+    aggregation: str = "token_mean"
+    """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``); the paper's
+    ``execution_mean`` is not the default: on the main job it lost held-out points (README)."""
 
 
 @dataclass(frozen=True)
