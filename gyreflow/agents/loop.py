@@ -101,6 +101,10 @@ def run_agent(
         t_call = time.time()
         try:
             out = generate(request)
+        except ValueError as err:  # the engine refused the request (context longer than it holds)
+            end_reason = "budget"
+            crash = f"{type(err).__name__}: {err}"
+            break
         except Exception as err:  # the engine or the route failed: the system's fault, not the policy's
             end_reason = "infra_failure"
             crash = f"{type(err).__name__}: {err}"
@@ -137,7 +141,7 @@ def run_agent(
     except Exception as err:
         reward, passed, end_reason = 0.0, False, "grader_failure"
         metrics["error"] = f"{type(err).__name__}: {err}"
-    if end_reason == "infra_failure":
+    if end_reason == "infra_failure" or (end_reason == "budget" and "crash" in locals()):
         metrics["error"] = crash
     return ExecutionResult(
         execution_id=execution_id,
