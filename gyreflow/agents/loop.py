@@ -80,6 +80,7 @@ def run_agent(
     compactions = 0
     t0 = time.monotonic()
     end_reason = "done"
+    crash: str | None = None  # what the engine raised, if a call failed
     while not env.finished:
         if env.calls >= task.max_calls or generated >= cfg.token_budget:
             end_reason = "budget"
@@ -135,14 +136,14 @@ def run_agent(
         closed = completion if completion and completion[-1] == END_ID else completion + [END_ID]
         turns.append(generation_prompt_ids() + closed + message_ids("tool", observation))
     metrics = {"compactions": compactions, "tokens_generated": generated}
+    if crash is not None:
+        metrics["error"] = crash
     try:
         reward, passed = env.grade()
         metrics |= env.metrics()
     except Exception as err:
         reward, passed, end_reason = 0.0, False, "grader_failure"
         metrics["error"] = f"{type(err).__name__}: {err}"
-    if end_reason == "infra_failure" or (end_reason == "budget" and "crash" in locals()):
-        metrics["error"] = crash
     return ExecutionResult(
         execution_id=execution_id,
         task_id=task.task_id,
