@@ -131,3 +131,18 @@ def test_a_grader_that_raises_ends_the_execution_as_a_grader_failure(monkeypatch
                     AgentConfig(), "grader")
     assert out.end_reason == "grader_failure" and out.dropped and "disk went away" in out.metrics["error"]
     assert out.reward == 0.0 and not out.passed
+
+
+def test_compaction_keeps_every_prompt_inside_the_context_even_with_long_turns():
+    """Turns longer than ``max_context_tokens / keep_turns``: a compacted prompt keeps only the
+    latest turns that fit, so the engine is never sent more than the context the agent was cut for."""
+    task = make_task("heldout", 7, 3, spare_calls=8)
+    garbage = "nonsense " * 12  # a malformed call; its error observation repeats it
+    cfg = AgentConfig(max_context_tokens=300, keep_turns=6)
+    out = run_agent(task, scripted([garbage]), cfg, "long-turns")
+    assert out.end_reason == "budget" and len(out.calls) == task.max_calls
+    assert out.metrics["compactions"] > 0
+    assert max(len(c.prompt_ids) for c in out.calls) <= 300
+    # The latest observation is still there after a compaction.
+    last = bytes(int(t) for t in out.calls[-1].prompt_ids if t < 256).decode()
+    assert last.count("error: malformed tool call") >= 1

@@ -80,7 +80,9 @@ CRAFTED = {
     "tool_latency": {"dist": "constant", "value_full_batch_iterations": 1},
     "cost": {"decode_b_s": 0.0005, "a_over_b": 0, "max_batch": 8, "prefill_s_per_token": 0.0,
              "train_share": 0.5, "step_fixed_s": 1.0, "kv_bytes_per_token": 16, "handoff_s": 0.0},
-    "time_scale": 40.0, "seed": 0,
+    # Slow enough that the wall seconds a busy machine adds (cell moves, task hand-offs) stay small
+    # next to the modelled ones: they only ever add, so the checks below are one-sided beyond 3%.
+    "time_scale": 20.0, "seed": 0,
 }
 
 
@@ -92,8 +94,8 @@ def test_a_workload_with_a_known_best_mode_gets_it():
     out = run_bench(Workload.from_dict(CRAFTED), arms=("colocated", "async_user"), log=lambda *_: None)
     m = {arm: v["emulated_s"]["mean"] for arm, v in out["modes"].items()}
     assert min(m, key=m.get) == "colocated"
-    assert m["colocated"] == pytest.approx(162, rel=0.2)
+    assert 162 * 0.97 <= m["colocated"] <= 162 * 1.3
     assert out["modes"]["async_user"]["split"] == "1:2"  # the first step's work: half rollout, half training
-    assert m["async_user"] == pytest.approx(362, rel=0.2)
+    assert 362 * 0.97 <= m["async_user"] <= 362 * 1.3
     # The bounds are those of the colocated schedule, which no placement can beat here.
     assert out["lower_bound_s"] == pytest.approx(162, rel=0.01)

@@ -58,7 +58,7 @@ def cluster():
         link = dashboard.dashboard_link(client)
         assert link is not None and link.endswith("/gyreflow")
         base = link[: -len("/gyreflow")]
-        info = client.scheduler_info(n_workers=-1)
+        info = client.sync(client.scheduler.identity, n_workers=-1)
         names = {w["name"]: addr for addr, w in info["workers"].items()}
         yield {"client": client, "base": base, "link": link, "scheduler": info["address"], "workers": names}
 

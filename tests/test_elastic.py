@@ -20,9 +20,9 @@ import pytest
 import torch
 from distributed import Client, Event, get_worker
 
-from gyreflow.cluster.local import PoolSpec, install, local_cluster
+from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_info
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER
-from gyreflow.cluster.router import Router
+from gyreflow.cluster.router import RequestRefused, Router
 from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingParams
 from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
@@ -103,8 +103,7 @@ def request(rid: str, n: int, seed: int, session: str | None = None, max_tokens:
 
 def addresses(client: Client) -> dict[str, str]:
     """Worker name -> address (a restarted worker keeps its name, not its address)."""
-    info = client.scheduler_info(n_workers=-1)
-    return {w["name"]: addr for addr, w in info["workers"].items()}
+    return {w["name"]: addr for addr, w in workers_info(client).items()}
 
 
 def pools(client: Client) -> dict:
@@ -453,6 +452,20 @@ def test_router_reroutes_a_session_whose_cell_left(client, published, model):
     ref_a, ref_b = reference(model, [r1, r2])
     assert_same(a, ref_a)
     assert_same(b, ref_b)
+
+
+def test_a_request_no_engine_can_hold_is_refused_not_failed(client, published):
+    """A prompt longer than the engines hold is the caller's error (a ``ValueError`` naming it),
+    not an infrastructure failure; the engine goes on serving."""
+    names = layout(client, published)
+    too_long = request("refused-1", ENGINE_OPTIONS["max_seq_len"] + 10, seed=41)
+    fut = client.submit(one_call, too_long, key="call-refused", resources=SLOT, pure=False)
+    with pytest.raises(RequestRefused, match="prompt of 1034 tokens, engine holds 1024") as err:
+        fut.result(timeout=60)
+    assert isinstance(err.value, ValueError)
+    res, _, _ = client.submit(one_call, request("refused-2", 8, seed=42, max_tokens=4), key="call-after-refused",
+                              resources=SLOT, pure=False).result(timeout=60)
+    assert res.engine in {names["cell-0"], names["cell-1"]} and len(res.completion_ids) >= 1
 
 
 def test_colocated_moves_every_cell_to_training_and_back(client, published):

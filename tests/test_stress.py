@@ -23,7 +23,7 @@ from gyreflow.bench.workload import Workload
 from gyreflow.bench.emulated_engine import emulated_engine_factory
 from gyreflow.cluster.clock import Clock
 from gyreflow.cluster.control import Timing
-from gyreflow.cluster.local import PoolSpec, install, local_cluster
+from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_info
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER
 from gyreflow.faults import POINTS
 from support import wait_for
@@ -54,7 +54,7 @@ def client():
 
 
 def cells(client: Client) -> dict[str, str]:
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = workers_info(client)
     return {v["name"]: a for a, v in info.items() if str(v["name"]).startswith("cell-")}
 
 

@@ -3,7 +3,7 @@
 Prompts are built in token space: each new prompt is the previous prompt, the ids the engine
 sampled, and the tool's reply, so recorded tokens are exactly what the engine consumed and produced.
 When the context outgrows ``max_context_tokens`` the loop compacts it (keeps the task and the most
-recent turns), which makes the execution's trajectory tree branch.
+recent turns that fit), which makes the execution's trajectory tree branch.
 """
 
 from __future__ import annotations
@@ -47,12 +47,23 @@ def call_seed(seed: int, execution_id: str, index: int) -> int:
 
 
 def build_prompt(head: list[int], turns: list[list[int]], cfg: AgentConfig) -> tuple[list[int], bool]:
-    """The next prompt; returns (ids, compacted)."""
+    """The next prompt; returns (ids, compacted).
+
+    A compacted prompt keeps the task and the latest turns that fit in ``max_context_tokens``
+    (at most ``keep_turns``, possibly none), so it never outgrows the context it was cut for.
+    """
+    tail = generation_prompt_ids()
     body = [t for turn in turns for t in turn]
-    if len(head) + len(body) + 1 <= cfg.max_context_tokens:
-        return head + body + generation_prompt_ids(), False
-    recent = [t for turn in turns[-cfg.keep_turns :] for t in turn]
-    return head + recent + generation_prompt_ids(), True
+    if len(head) + len(body) + len(tail) <= cfg.max_context_tokens:
+        return head + body + tail, False
+    room = cfg.max_context_tokens - len(head) - len(tail)
+    kept: list[list[int]] = []
+    for turn in reversed(turns[-cfg.keep_turns :]):
+        if len(turn) > room:
+            break
+        kept.insert(0, turn)
+        room -= len(turn)
+    return head + [t for turn in kept for t in turn] + tail, True
 
 
 def run_agent(

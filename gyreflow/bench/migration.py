@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
+from gyreflow.cluster.local import workers_info
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.engine.base import GenerationRequest, SamplingParams
 from gyreflow.engine.service import PLUGIN_NAME, EngineService
@@ -295,7 +296,7 @@ def run_migration_bench(context_tokens: int = 2000, repeats: int = 5, log=print,
     result: dict = {}
     with _quiet_dask(), two_cells() as cluster, Client(cluster) as client:
         client.register_plugin(EngineService(options, torch_threads=1))
-        cells = sorted(a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+        cells = sorted(a for a, w in workers_info(client).items()
                        if str(w.get("name", "")).startswith("cell-"))
         if len(cells) != 2:
             raise RuntimeError(f"expected two cell workers, found {cells}")

@@ -55,7 +55,7 @@ from gyreflow.bench.stages import (
 from gyreflow.bench.workload import Workload, cell_name
 from gyreflow.cluster.clock import Clock
 from gyreflow.cluster.control import Timing
-from gyreflow.cluster.local import PoolSpec, install, local_cluster
+from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_info
 from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.cluster.routing import RoutingOptions
@@ -160,7 +160,7 @@ class _Run:
             install(client, None, {"workload": w}, self.mode_name, options, engine_factory=emulated_engine_factory,
                     clock=self.clock, timing=timing, routing=self.routing)
             self.client, self.stages = client, stages_for(w)
-            info = client.scheduler_info(n_workers=-1)["workers"]
+            info = workers_info(client)
             self.names = {v["name"]: a for a, v in info.items()}
             state = published = {"version": 0, "run": f"bench-{self.mode_name}"}
             self._publish(published, 0)
@@ -195,12 +195,12 @@ class _Run:
         return self._summary(wall, updates, results, engines | self.departed_stats, status)
 
     def _live_cells(self) -> dict[str, str]:
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = workers_info(self.client)
         return {v["name"]: a for a, v in info.items() if str(v["name"]).startswith("cell-")}
 
     def _publish(self, published, version: int) -> None:
         """The weights version to every cell that may serve rollout now or later (held cells too)."""
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        info = workers_info(self.client)
         targets = [a for a, v in info.items() if str(v["name"]).startswith("cell-")
                    and (self.mode.trainers_roll_out or v.get("resources", {}).get(TRAINER, 0) == 0)]
         done = [self.client.submit(self.stages.publish, published, key=f"publish-v{version}-{a.split('//')[-1]}",

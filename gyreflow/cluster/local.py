@@ -101,10 +101,18 @@ def connect(address: str, timeout: float = 10.0) -> Client:
         raise ClusterError(f"no Dask scheduler answered at {address} within {timeout:.0f}s ({type(err).__name__})") from None
 
 
+def workers_info(client: Client) -> dict[str, dict]:
+    """Address -> the scheduler's record of every worker, asked for now.
+
+    (Not ``Client.scheduler_info``: the client's periodic refresh may replace the answer, between
+    the fetch and the return, with a cached identity that lists no worker.)
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def cells_of(client: Client) -> dict[str, list[str]]:
     """The workers of each pool (``rollout``, ``trainer``, ``execution``)."""
-    info = client.scheduler_info(n_workers=-1)
-    return workers_by_pool({addr: w.get("resources", {}) for addr, w in info["workers"].items()})
+    return workers_by_pool({addr: w.get("resources", {}) for addr, w in workers_info(client).items()})
 
 
 def check_pools(client: Client, rollout: int = 1, trainer: int = 1, mode: str = "async",

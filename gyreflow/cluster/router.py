@@ -29,6 +29,10 @@ class RouteError(RuntimeError):
     """No engine could serve the call."""
 
 
+class RequestRefused(ValueError):
+    """The engine refused the request itself (a prompt longer than it holds, bad parameters)."""
+
+
 class LostRequest(OSError):
     """The engine holding a call stopped answering for it."""
 
@@ -110,6 +114,8 @@ class Router:
                 self.engine = out["moved"]  # the session's KV went with it
                 await self.worker.scheduler.gyreflow_route(session=self.session, engine=self.engine)
                 continue
+            if out.get("refused"):
+                raise RequestRefused(f"engine {pending[0] if pending else self.engine}: {out['error']}")
             if "error" in out:
                 raise RouteError(f"engine {pending[0] if pending else self.engine}: {out['error']}")
             return out

@@ -174,6 +174,8 @@ class EngineService(WorkerPlugin):
         try:
             req = msg_to_request(request)
             fut = self.runner.submit(req)
+        except ValueError as err:  # the request itself is wrong: another engine would refuse it too
+            return {"error": f"{type(err).__name__}: {err}", "refused": True}
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}"}
         self._session_of[req.request_id] = req.session
