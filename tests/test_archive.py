@@ -110,28 +110,114 @@ def test_round_trip_through_reader(archive: str) -> None:
     assert [r.execution_id for r in reader.iter_executions()] == ["e0", "e1", "e2", "e3"]
 
 
+def agent_execution(eid: str, step: int, n_calls: int = 12, seed: int = 0) -> ExecutionResult:
+    """An agent's calls as they really come: each prompt is the previous call's prompt, its
+    completion and a tool reply; a compaction restarts from the task; a retry repeats a prompt; a
+    sub-agent starts from the task with its own instructions."""
+    rng = np.random.default_rng(seed)
+    task = rng.integers(0, 150_000, 60)
+    context, calls = task, []
+
+    def call(i, prompt, role="main", temperature=1.0):
+        c = int(rng.integers(1, 40))
+        calls.append(CallRecord(eid, i, f"{eid}/{i}", role, prompt, rng.integers(0, 150_000, c),
+                                -rng.exponential(1.0, c).astype(np.float32), np.full(c, step, np.int32),
+                                temperature=temperature))
+        return np.concatenate([prompt, calls[-1].completion_ids])
+
+    for i in range(n_calls):
+        if i == n_calls // 2:  # compaction: the task and the latest tool reply only
+            context = np.concatenate([task, rng.integers(0, 150_000, 10)])
+        seq = call(i, context, temperature=0.0 if i == 3 else 1.0)
+        if i == 2:  # the proxy folded a retry: the same prompt again
+            call(100, context)
+        context = np.concatenate([seq, rng.integers(0, 150_000, int(rng.integers(5, 30)))])
+    call(200, np.concatenate([task, rng.integers(0, 150_000, 15)]), role="sub-agent")
+    return ExecutionResult(eid, "task", step, seed, "train", calls, 0.5, False, "done")
+
+
+def decode_calls(g) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each call's (prompt, completion) from a schema-2 group with plain zarr, as a reader without
+    gyreflow would: walk the call's node up to the root, join the runs, cut at its lengths."""
+    tokens, offsets, parent = g["tokens"][:], g["node_offsets"][:], g["node_parent"][:]
+    out = []
+    for raw in g["call_meta"][:]:
+        m = json.loads(str(raw))
+        node, runs = m["node"], []
+        while node != -1:
+            runs.insert(0, tokens[offsets[node] : offsets[node + 1]])
+            node = parent[node]
+        seq = np.concatenate(runs) if runs else np.zeros(0, np.int32)
+        out.append((seq[: m["n_prompt"]], seq[m["n_prompt"] : m["n_prompt"] + m["n_completion"]]))
+    return out
+
+
 def test_round_trip_through_plain_zarr(archive: str) -> None:
-    r = make_execution("exec-a", 3, n_calls=6, seed=7)
+    r = agent_execution("exec-a", 3, seed=7)
     write_execution(archive, r)
     commit_step(archive, 3, {"k": 1})
 
     root = zarr.open_group(archive, mode="r")
-    assert root.attrs["gyreflow_archive"] == 1
+    assert root.attrs["gyreflow_archive"] == 2
     assert root.attrs["committed_steps"] == [3]
     g = root["steps/000003/executions/exec-a"]
-    p_off, c_off = g["prompt_offsets"][:], g["completion_offsets"][:]
-    prompts, completions = g["prompt_tokens"][:], g["completion_tokens"][:]
+    assert g.attrs["gyreflow_execution"] == 2
+    calls = decode_calls(g)
     logprobs, versions = g["logprobs"][:], g["versions"][:]
     metas = [json.loads(s) for s in g["call_meta"][:]]
-    for i, call in enumerate(r.calls):
-        assert np.array_equal(prompts[p_off[i] : p_off[i + 1]], call.prompt_ids)
-        assert np.array_equal(completions[c_off[i] : c_off[i + 1]], call.completion_ids)
-        assert np.array_equal(logprobs[c_off[i] : c_off[i + 1]], call.logprobs)
-        assert np.array_equal(versions[c_off[i] : c_off[i + 1]], call.versions)
-        assert metas[i] == call.meta()
+    at = 0
+    for (prompt, completion), call, meta in zip(calls, r.calls, metas):
+        assert np.array_equal(prompt, call.prompt_ids) and np.array_equal(completion, call.completion_ids)
+        n = len(call.completion_ids)
+        assert np.array_equal(logprobs[at : at + n], call.logprobs)
+        assert np.array_equal(versions[at : at + n], call.versions)
+        at += n
+        assert {k: v for k, v in meta.items() if k not in ("node", "n_prompt", "n_completion")} == call.meta()
     assert g.attrs["reward"] == r.reward and g.attrs["metrics"] == r.metrics
-    for name, (dtype, dim, _) in schema.ARRAYS.items():
+    for name, (dtype, dim, _) in schema.TREE_ARRAYS.items():
         assert g[name].metadata.dimension_names == (dim,)
+    # Every token is stored once per place in the tree, not once per call that saw it.
+    logical = sum(len(c.prompt_ids) + len(c.completion_ids) for c in r.calls)
+    stored = g["tokens"].shape[0]
+    assert g.attrs["n_stored_tokens"] == stored and 3 * stored < logical, (stored, logical)
+    assert g.attrs["n_prompt_tokens"] + g.attrs["n_completion_tokens"] == logical
+
+
+def test_schema_1_archives_still_open(tmp_path: Path) -> None:
+    """``tests/data/archive-v1.zarr`` was written by the schema-1 writer (whole prompts per call)
+    from ``make_execution`` with the seeds below; it reads token-exact, and a resumed run adds
+    schema-2 groups beside the old ones."""
+    import shutil
+
+    path = tmp_path / "v1.zarr"
+    shutil.copytree(Path(__file__).parent / "data" / "archive-v1.zarr", path)
+    reader = ArchiveReader(path)
+    assert reader.schema_version == 1 and reader.committed_steps == [0, 1]
+    for step in (0, 1):
+        for k in range(2):
+            want = make_execution(f"execution-{step}-{k}", step, n_calls=3, seed=10 * step + k)
+            assert_same(want, reader.load_execution(step, want.execution_id))
+    with pytest.raises(ValueError, match="schema version 1; open it with ArchiveWriter"):
+        write_execution(path, agent_execution("new", 2))
+    writer = ArchiveWriter(path, {"resumed": True})
+    new = agent_execution("new", 2)
+    writer.write_execution(new)
+    writer.commit_step(2)
+    reader = ArchiveReader(path)
+    assert reader.schema_version == 2 and reader.attrs["resumes"][-1]["upgraded_from"] == 1
+    assert_same(new, reader.load_execution(2, "new"))
+    assert_same(make_execution("execution-1-1", 1, n_calls=3, seed=11), reader.load_execution(1, "execution-1-1"))
+
+
+def test_a_damaged_tree_is_named_not_misread(archive: str) -> None:
+    write_execution(archive, agent_execution("d", 0))
+    commit_step(archive, 0)
+    g = zarr.open_group(archive, mode="r+")["steps/000000/executions/d"]
+    parent = g["node_parent"][:]
+    parent[-1] = len(parent) + 5  # a node pointing outside the tree
+    g["node_parent"][:] = parent
+    with pytest.raises(ValueError, match="execution group .*d.* is corrupt"):
+        ArchiveReader(archive).load_execution(0, "d")
 
 
 def test_readable_without_gyreflow(archive: str) -> None:
@@ -145,12 +231,18 @@ def test_readable_without_gyreflow(archive: str) -> None:
         import numpy as np, xarray as xr, zarr
         root = zarr.open_group({archive!r}, mode="r")
         g = root["steps/000000/executions/e1"]
-        off = g["completion_offsets"][:]
-        toks = g["completion_tokens"][:]
-        calls = [toks[off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
+        tokens, offsets, parent = g["tokens"][:], g["node_offsets"][:], g["node_parent"][:]
+        calls = []
+        for raw in g["call_meta"][:]:
+            m = json.loads(str(raw))
+            node, seq = m["node"], []
+            while node != -1:
+                seq = tokens[offsets[node]:offsets[node + 1]].tolist() + seq
+                node = int(parent[node])
+            calls.append(seq[m["n_prompt"]:m["n_prompt"] + m["n_completion"]])
         tree = xr.open_datatree({archive!r}, engine="zarr", consolidated=False)
         ds = tree["steps/000000/executions/e1"].to_dataset()
-        assert np.array_equal(ds["prompt_tokens"].values, g["prompt_tokens"][:])
+        assert np.array_equal(ds["tokens"].values, g["tokens"][:])
         assert ds["logprobs"].dtype == np.float32
         assert "gyreflow" not in sys.modules
         print(json.dumps({{"calls": calls, "lp0": float(ds["logprobs"].values[0]),
@@ -180,7 +272,7 @@ def test_xarray_datatree(archive: str) -> None:
         assert ds.attrs["reward"] == r.reward
         lp = ds["logprobs"].values  # computed from lazy dask arrays
         assert np.array_equal(lp, np.concatenate([c.logprobs for c in r.calls]))
-        assert ds.sizes["call"] == 3 and ds.sizes["call_boundary"] == 4
+        assert ds.sizes["call"] == 3 and ds.sizes["node_boundary"] == ds.sizes["node"] + 1
 
 
 def test_uncommitted_steps_are_invisible(archive: str) -> None:
@@ -256,7 +348,7 @@ def test_retry_replaces_and_committed_steps_are_immutable(archive: str) -> None:
     write_execution(archive, empty)
     group_dir = Path(archive) / "steps/000001/executions/z"
     chunks = {f.relative_to(group_dir).as_posix() for f in group_dir.rglob("c/*")}
-    assert chunks == {"prompt_offsets/c/0", "completion_offsets/c/0"}  # offsets == [0]
+    assert chunks == {"node_offsets/c/0"}  # offsets == [0]
     commit_step(archive, 1)
     assert_same(empty, ArchiveReader(archive).load_execution(1, "z"))
 
@@ -357,7 +449,7 @@ def test_nothing_but_arrays_and_json(archive: str) -> None:
             assert str(a.dtype) in allowed or isinstance(a.dtype, np.dtypes.StringDType)
             json.dumps(dict(a.attrs))
         stack.extend(child for _, child in g.groups())
-    assert n_arrays == 3 * len(schema.ARRAYS)
+    assert n_arrays == 3 * len(schema.TREE_ARRAYS)
     codecs: set[str] = set()
     for f in Path(archive).rglob("*"):
         if f.is_file():

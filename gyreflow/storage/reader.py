@@ -14,6 +14,7 @@ import zarr.api.asynchronous
 from zarr.core.sync import sync
 
 from gyreflow.storage import schema
+from gyreflow.storage.calltree import CallTree
 from gyreflow.storage.writer import PathLike, open_root
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
 
@@ -159,11 +160,50 @@ class ArchiveReader:
 async def _read_group(
     root_path: str, group_path: str
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Attributes and all arrays of one execution group, read concurrently."""
+    """Attributes and all arrays of one execution group (either layout), read concurrently."""
     group = await zarr.api.asynchronous.open_group(store=root_path, path=group_path, mode="r")
-    nodes = await asyncio.gather(*(group.getitem(name) for name in schema.ARRAYS))
+    attrs = dict(group.attrs)
+    names = list(schema.LAYOUTS.get(attrs.get(schema.EXECUTION_MARKER), schema.TREE_ARRAYS))
+    nodes = await asyncio.gather(*(group.getitem(name) for name in names))
     data = await asyncio.gather(*(node.getitem(...) for node in nodes))
-    return dict(group.attrs), dict(zip(schema.ARRAYS, data))
+    return attrs, dict(zip(names, data))
+
+
+def _calls_v1(arrays: Mapping[str, np.ndarray], where: str) -> list[tuple[np.ndarray, np.ndarray, dict]]:
+    """(prompt, completion, meta) of each call of a version-1 group: prompts stored whole."""
+    p_off, c_off = arrays["prompt_offsets"], arrays["completion_offsets"]
+    n = len(arrays["call_meta"])
+    if (
+        len(p_off) != n + 1
+        or len(c_off) != n + 1
+        or int(p_off[-1]) != len(arrays["prompt_tokens"])
+        or int(c_off[-1]) != len(arrays["completion_tokens"])
+    ):
+        raise ValueError(f"execution group {where!r} is corrupt: arrays disagree with offsets")
+    prompts = split_ragged(arrays["prompt_tokens"], p_off)
+    completions = split_ragged(arrays["completion_tokens"], c_off)
+    return [(prompts[i], completions[i], json.loads(str(m))) for i, m in enumerate(arrays["call_meta"])]
+
+
+def _calls_v2(arrays: Mapping[str, np.ndarray], where: str) -> list[tuple[np.ndarray, np.ndarray, dict]]:
+    """(prompt, completion, meta) of each call of a version-2 group: sequences cut from the tree."""
+    metas = [json.loads(str(m)) for m in arrays["call_meta"]]
+    offsets, parent = arrays["node_offsets"], arrays["node_parent"]
+    if len(offsets) != len(parent) + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(arrays["tokens"]):
+        raise ValueError(f"execution group {where!r} is corrupt: node offsets do not span the tokens")
+    try:
+        tree = CallTree(arrays["tokens"], offsets, parent,
+                        np.array([m.pop("node") for m in metas], np.int32),
+                        np.array([m.pop("n_prompt") for m in metas], np.int64),
+                        np.array([m.pop("n_completion") for m in metas], np.int64))
+        out = []
+        for k, meta in enumerate(metas):
+            seq = tree.sequence(k)
+            p = int(tree.call_prompt[k])
+            out.append((seq[:p], seq[p:], meta))
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"execution group {where!r} is corrupt: {err}") from None
+    return out
 
 
 def _to_result(
@@ -172,31 +212,20 @@ def _to_result(
     """Rebuild an ``ExecutionResult`` from an execution group's attributes and arrays."""
     if attrs.get("complete") is not True:
         raise ValueError(f"execution group {where!r} is incomplete")
-    p_off, c_off = arrays["prompt_offsets"], arrays["completion_offsets"]
-    n = len(arrays["call_meta"])
-    if (
-        len(p_off) != n + 1
-        or len(c_off) != n + 1
-        or int(p_off[-1]) != len(arrays["prompt_tokens"])
-        or int(c_off[-1]) != len(arrays["completion_tokens"])
-        or not len(arrays["logprobs"]) == len(arrays["versions"]) == len(arrays["completion_tokens"])
-    ):
+    parts = (_calls_v1 if attrs.get(schema.EXECUTION_MARKER) == 1 else _calls_v2)(arrays, where)
+    ends = np.cumsum([0] + [len(c) for _, c, _ in parts])
+    if not len(arrays["logprobs"]) == len(arrays["versions"]) == int(ends[-1]):
         raise ValueError(f"execution group {where!r} is corrupt: arrays disagree with offsets")
-    prompts = split_ragged(arrays["prompt_tokens"], p_off)
-    completions = split_ragged(arrays["completion_tokens"], c_off)
-    logprobs = split_ragged(arrays["logprobs"], c_off)
-    versions = split_ragged(arrays["versions"], c_off)
     calls = []
-    for i, raw in enumerate(arrays["call_meta"]):
-        meta = json.loads(str(raw))
+    for i, (prompt, completion, meta) in enumerate(parts):
         known = {k: v for k, v in meta.items() if k in _CALL_FIELDS}
         calls.append(
             CallRecord(
                 **known,
-                prompt_ids=prompts[i],
-                completion_ids=completions[i],
-                logprobs=logprobs[i],
-                versions=versions[i],
+                prompt_ids=prompt,
+                completion_ids=completion,
+                logprobs=arrays["logprobs"][ends[i] : ends[i + 1]],
+                versions=arrays["versions"][ends[i] : ends[i + 1]],
             )
         )
     return ExecutionResult(

@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
-"""Value of the root attribute ``gyreflow_archive``; readers refuse larger values."""
+SCHEMA_VERSION = 2
+"""Value of the root attribute ``gyreflow_archive``; readers refuse larger values. Version 2 stores
+each execution as its token tree (``TREE_ARRAYS``); version 1 stored every call's whole prompt
+(``CALL_ARRAYS``), and its groups stay readable."""
 
 ARCHIVE_NAME = "archive.zarr"
 """File name of a run's archive inside its run directory."""
@@ -22,9 +24,6 @@ EXECUTION_MARKER = "gyreflow_execution"
 
 STEPS = "steps"
 EXECUTIONS = "executions"
-TREES = "trees"
-"""Reserved per-step group for trajectory trees (not written by schema version 1)."""
-
 CHUNK_ELEMENTS = 1 << 20
 """Chunk length along every flat array: 4 MiB of int32, large enough that a typical execution
 is one chunk per array (few files, one codec call) and small enough that a slice read of a
@@ -32,7 +31,17 @@ million-token execution decodes only the chunks it touches."""
 
 # Arrays of one execution group: name -> (zarr data type, dimension name, fill value).
 # The fill value only shows where a chunk is missing; -1 / NaN cannot be mistaken for data.
-ARRAYS: dict[str, tuple[str, str, Any]] = {
+TREE_ARRAYS: dict[str, tuple[str, str, Any]] = {
+    "tokens": ("int32", "tree_token", -1),
+    "node_offsets": ("int64", "node_boundary", -1),
+    "node_parent": ("int32", "node", -2),
+    "logprobs": ("float32", "completion_token", "NaN"),
+    "versions": ("int32", "completion_token", -1),
+    "call_meta": ("string", "call", ""),
+}
+"""Execution groups of version 2 (``gyreflow_execution: 2``): the call tree."""
+
+CALL_ARRAYS: dict[str, tuple[str, str, Any]] = {
     "prompt_tokens": ("int32", "prompt_token", -1),
     "prompt_offsets": ("int64", "call_boundary", -1),
     "completion_tokens": ("int32", "completion_token", -1),
@@ -41,6 +50,10 @@ ARRAYS: dict[str, tuple[str, str, Any]] = {
     "versions": ("int32", "completion_token", -1),
     "call_meta": ("string", "call", ""),
 }
+"""Execution groups of version 1 (``gyreflow_execution: 1``): every call's prompt whole; read only."""
+
+LAYOUTS = {1: CALL_ARRAYS, 2: TREE_ARRAYS}
+"""Execution group version -> its arrays."""
 
 _ITEMSIZE = {"int32": 4, "int64": 8, "float32": 4}
 
@@ -71,7 +84,7 @@ def array_metadata(name: str, length: int) -> dict[str, Any]:
     Spelled out (rather than left to zarr's defaults) so the stored format is exactly what
     ``storage/README.md`` specifies, whatever defaults a future zarr release picks.
     """
-    data_type, dim, fill = ARRAYS[name]
+    data_type, dim, fill = TREE_ARRAYS[name]
     # A regular chunk grid stores edge chunks at full size, so never make a chunk longer than
     # the array (a 4 MiB chunk for a 10-token array would cost a 4 MiB encode).
     chunk = max(1, min(length, CHUNK_ELEMENTS))

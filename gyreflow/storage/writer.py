@@ -26,6 +26,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from zarr.core.sync import sync
 
 from gyreflow.storage import schema
+from gyreflow.storage.calltree import CallTree
 from gyreflow.trajectory.records import ExecutionResult
 
 PathLike = str | Path
@@ -127,7 +128,7 @@ async def _write_group(
 
 
 def execution_arrays(result: ExecutionResult) -> dict[str, np.ndarray]:
-    """The arrays of one execution group, exactly as they are stored.
+    """The arrays of one execution group, exactly as they are stored (schema version 2).
 
     Parameters
     ----------
@@ -137,19 +138,24 @@ def execution_arrays(result: ExecutionResult) -> dict[str, np.ndarray]:
     Returns
     -------
     dict
-        Array name -> numpy array (``call_meta`` as a numpy ``StringDType`` array of JSON).
+        Array name -> numpy array: the calls' token tree (``tokens``, ``node_offsets``,
+        ``node_parent``), the completions' ``logprobs`` and ``versions``, and ``call_meta`` (a numpy
+        ``StringDType`` array of JSON, each with the call's ``node`` and lengths).
     """
     calls = result.calls
-    prompt, prompt_off = _flatten([c.prompt_ids for c in calls], "int32")
-    completion, completion_off = _flatten([c.completion_ids for c in calls], "int32")
+    tree = CallTree.of(calls)
     logprobs, _ = _flatten([c.logprobs for c in calls], "float32")
     versions, _ = _flatten([c.versions for c in calls], "int32")
-    meta = np.array([schema.dumps(c.meta()) for c in calls], dtype=np.dtypes.StringDType())
+    meta = np.array(
+        [schema.dumps(c.meta() | {"node": int(tree.call_node[k]), "n_prompt": int(tree.call_prompt[k]),
+                                  "n_completion": int(tree.call_completion[k])})
+         for k, c in enumerate(calls)],
+        dtype=np.dtypes.StringDType(),
+    )
     return {
-        "prompt_tokens": prompt,
-        "prompt_offsets": prompt_off,
-        "completion_tokens": completion,
-        "completion_offsets": completion_off,
+        "tokens": tree.tokens.astype(np.int32, copy=False),
+        "node_offsets": tree.node_offsets.astype(np.int64, copy=False),
+        "node_parent": tree.node_parent.astype(np.int32, copy=False),
         "logprobs": logprobs,
         "versions": versions,
         "call_meta": meta,
@@ -186,6 +192,11 @@ def write_execution(archive_path: PathLike, result: ExecutionResult) -> dict[str
     """
     path = schema.execution_path(result.step, result.execution_id)
     root = open_root(archive_path, mode="r+")
+    if root.attrs[schema.ROOT_MARKER] < schema.SCHEMA_VERSION:
+        raise ValueError(
+            f"{str(archive_path)!r} has archive schema version {root.attrs[schema.ROOT_MARKER]}; open it "
+            f"with ArchiveWriter (which upgrades it to {schema.SCHEMA_VERSION}) before writing into it"
+        )
     attrs = _step_attrs(root, result.step)
     if attrs is not None and attrs.get("committed"):
         raise ValueError(
@@ -202,16 +213,18 @@ def write_execution(archive_path: PathLike, result: ExecutionResult) -> dict[str
         "reward": result.reward,
         "passed": bool(result.passed),
         "n_calls": len(result.calls),
-        "n_prompt_tokens": int(len(arrays["prompt_tokens"])),
-        "n_completion_tokens": int(len(arrays["completion_tokens"])),
+        "n_prompt_tokens": int(sum(len(c.prompt_ids) for c in result.calls)),
+        "n_completion_tokens": int(sum(len(c.completion_ids) for c in result.calls)),
+        "n_stored_tokens": int(len(arrays["tokens"])),
     }
     meta = schema.to_json(result.meta())
     meta.update(
         {
             "n_prompt_tokens": summary["n_prompt_tokens"],
             "n_completion_tokens": summary["n_completion_tokens"],
+            "n_stored_tokens": summary["n_stored_tokens"],
             "written_at": _now(),
-            schema.EXECUTION_MARKER: 1,
+            schema.EXECUTION_MARKER: schema.SCHEMA_VERSION,
             "complete": True,
         }
     )
@@ -229,6 +242,7 @@ _INDEX_KEYS = (
     "n_calls",
     "n_prompt_tokens",
     "n_completion_tokens",
+    "n_stored_tokens",
 )
 
 
@@ -304,6 +318,7 @@ def commit_step(
         "n_calls": int(sum(e["n_calls"] or 0 for e in index.values())),
         "n_prompt_tokens": int(sum(e["n_prompt_tokens"] or 0 for e in index.values())),
         "n_completion_tokens": int(sum(e["n_completion_tokens"] or 0 for e in index.values())),
+        "n_stored_tokens": int(sum(e["n_stored_tokens"] or 0 for e in index.values())),
         "executions": index,
         "summary": schema.to_json(summary or {}),
     }
@@ -364,9 +379,15 @@ class ArchiveWriter:
         root = open_root(self.path, mode="r+")
         if recover:
             self.recovered = self._recover(root)
-        if run_meta is not None or any(self.recovered.values()):
+        upgraded = {}
+        if root.attrs[schema.ROOT_MARKER] < schema.SCHEMA_VERSION:
+            # Execution groups say their own layout: older groups stay as they are, new ones are
+            # written in the current one, and older readers must refuse the archive from now on.
+            upgraded = {"upgraded_from": root.attrs[schema.ROOT_MARKER]}
+            root.attrs[schema.ROOT_MARKER] = schema.SCHEMA_VERSION
+        if run_meta is not None or any(self.recovered.values()) or upgraded:
             resumes = list(root.attrs.get("resumes", []))
-            resumes.append({"at": _now(), "run": schema.to_json(run_meta), **self.recovered})
+            resumes.append({"at": _now(), "run": schema.to_json(run_meta), **self.recovered, **upgraded})
             root.attrs["resumes"] = resumes
 
     @classmethod
