@@ -302,12 +302,18 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, ex
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Rounds of each timing.")
 @click.option("--executions", type=click.IntRange(1), default=4, show_default=True, help="Executions per timing.")
 @click.option("--path-tokens", type=click.IntRange(16), default=640, show_default=True, help="Tokens of each path.")
+@click.option("--archive-executions", type=click.IntRange(1), default=32, show_default=True,
+              help="Agent executions written to and read from the archive.")
+@click.option("--archive-calls", type=click.IntRange(1), default=40, show_default=True,
+              help="Main-agent calls of each of them.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
-def bench_trajectories(repeats, executions, path_tokens, json_path) -> None:
-    """Tree-shared vs per-path training time, and forward-backward time at J_max 1 and 5 vs uncapped."""
+def bench_trajectories(repeats, executions, path_tokens, archive_executions, archive_calls, json_path) -> None:
+    """Tree-shared vs per-path training, forward-backward at J_max 1 and 5 vs uncapped, stored
+    tokens and archive throughput vs numpy, gradient-reduction memory."""
     from gyreflow.bench import trajectories
 
-    out = trajectories.run(executions=executions, path_tokens=path_tokens, repeats=repeats)
+    out = trajectories.run(executions=executions, path_tokens=path_tokens, repeats=repeats,
+                           archive_executions=archive_executions, archive_calls=archive_calls)
     click.echo(trajectories.summary(out))
     if json_path:
         trajectories.write_json(out, json_path)

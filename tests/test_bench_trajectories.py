@@ -21,7 +21,8 @@ def test_branching_executions_share_the_requested_prefix():
 def test_bench_trajectories_writes_the_ratios(tmp_path):
     out = tmp_path / "t.json"
     p = subprocess.run([sys.executable, "-m", "gyreflow.cli", "bench", "trajectories", "--repeats", "2",
-                        "--executions", "1", "--path-tokens", "40", "--json", str(out)],
+                        "--executions", "1", "--path-tokens", "40", "--archive-executions", "3", "--archive-calls", "20",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     data = json.loads(out.read_text())
@@ -32,3 +33,20 @@ def test_bench_trajectories_writes_the_ratios(tmp_path):
     # per path: 8 paths x 40 tokens; as one tree: 32 shared + 8 x 8
     assert data["tokens_forwarded"] == {"per_path": 320, "tree": 96}
     assert "tree_training_speedup" in p.stdout
+    # Stored tokens: the calls' tokens over the trees' (an agent's prompts extend its earlier calls).
+    arch = data["archive"]
+    assert data["stored_tokens_ratio"] == arch["call_tokens"] / arch["stored_tokens"] > 3
+    for key in ("archive_write_vs_numpy", "archive_read_vs_numpy"):
+        assert data[key]["min"] > 0 and len(data[key]["runs"]) == 2
+
+
+def test_agent_executions_store_each_token_once():
+    """Without compaction, retries or sub-agents an agent's calls form one chain: the tree holds
+    each token once, so what it stores is the last call's sequence."""
+    from gyreflow.bench.trajectories import agent_execution
+    from gyreflow.storage.writer import execution_arrays
+
+    ex = agent_execution(np.random.default_rng(1), "chain", calls=6, compact_every=100, retry_every=100,
+                         subagent_every=100)
+    last = ex.calls[-1]
+    assert len(execution_arrays(ex)["tokens"]) == len(last.prompt_ids) + len(last.completion_ids)

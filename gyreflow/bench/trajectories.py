@@ -12,9 +12,15 @@ jmax_fwd_bwd_fraction
     Forward and backward time (the default, tree training) with ``j_max`` 1 and 5, over uncapped,
     on executions of at least 10 paths.
 
-Each figure is repeated, the two arms interleaved; the JSON gives mean, min and max. Keys the
-issue tracker's tools also read but this command does not measure yet (stored tokens, archive
-throughput, gradient-reduction memory) are listed under ``not_measured``.
+stored_tokens_ratio, archive_write_vs_numpy, archive_read_vs_numpy
+    Agent executions as they come (prompts extending earlier calls, with compaction, retries and
+    sub-agents; :func:`agent_execution`): the tokens their calls hold over the tokens their trees
+    store, and the archive's write and read time against ``numpy.save``/``load`` of the calls'
+    arrays (``archive.*_vs_numpy_stored``: against numpy of the archive's own arrays, zarr's and the
+    tree's overhead alone).
+
+Each figure is repeated, the arms interleaved; the JSON gives mean, min and max. Keys not measured
+yet are listed under ``not_measured``.
 """
 
 from __future__ import annotations
@@ -55,6 +61,115 @@ def branching_execution(rng: np.random.Generator, execution_id: str, path_tokens
     return ExecutionResult(execution_id, "bench", 0, 0, "train", calls, 1.0, True, "done")
 
 
+def agent_execution(rng: np.random.Generator, execution_id: str, calls: int = 40, task_tokens: int = 400,
+                    completion_tokens: int = 80, tool_tokens: int = 160, compact_every: int = 15,
+                    retry_every: int = 10, subagent_every: int = 20) -> ExecutionResult:
+    """An agent's calls as they come: each prompt is the previous call's prompt, completion and a
+    tool reply; every ``compact_every`` calls the context restarts from the task and the latest
+    reply (compaction); every ``retry_every`` calls one is retried on the same prompt; every
+    ``subagent_every`` calls a sub-agent runs three calls from the task and its own instructions."""
+    task = rng.integers(0, 150_000, task_tokens).astype(np.int32)
+    out: list[CallRecord] = []
+
+    def call(prompt: np.ndarray, role: str = "main") -> np.ndarray:
+        n = int(rng.integers(completion_tokens // 2, completion_tokens * 3 // 2 + 1))
+        i = len(out)
+        out.append(CallRecord(execution_id, i, f"{execution_id}/{i}", role, prompt,
+                              rng.integers(0, 150_000, n).astype(np.int32),
+                              -rng.exponential(1.0, n).astype(np.float32), np.zeros(n, np.int32)))
+        return np.concatenate([prompt, out[-1].completion_ids])
+
+    def reply() -> np.ndarray:
+        return rng.integers(0, 150_000, int(rng.integers(tool_tokens // 2, tool_tokens * 3 // 2 + 1))).astype(np.int32)
+
+    context = task
+    for k in range(1, calls + 1):
+        seq = call(context)
+        if k % retry_every == 0:
+            call(context)  # the same prompt again: the first attempt's reply was refused
+        if k % subagent_every == 0:
+            sub = np.concatenate([task, reply()])
+            for _ in range(3):
+                sub = np.concatenate([call(sub, "sub-agent"), reply()])
+        context = np.concatenate([seq, reply()])
+        if k % compact_every == 0:
+            context = np.concatenate([task, reply()])
+    return ExecutionResult(execution_id, "bench", 0, 0, "train", out, 1.0, True, "done")
+
+
+def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
+    """Stored tokens and archive write/read time against ``numpy.save``/``load`` of the same calls
+    (every call's prompt and completion arrays, what one would save without the tree), and of the
+    same stored arrays (the archive's own bytes, so only zarr's overhead differs); interleaved."""
+    import shutil
+    import tempfile
+
+    from gyreflow.storage import ArchiveReader, commit_step, create_archive, write_execution
+    from gyreflow.storage.writer import execution_arrays
+
+    flat = [{f"{k}.{name}": a for k, c in enumerate(r.calls)
+             for name, a in (("prompt", c.prompt_ids), ("completion", c.completion_ids),
+                             ("logprobs", c.logprobs), ("versions", c.versions))} for r in executions]
+    stored = [{n: a for n, a in execution_arrays(r).items() if n != "call_meta"} for r in executions]
+    logical = sum(len(c.prompt_ids) + len(c.completion_ids) for r in executions for c in r.calls)
+    tree_tokens = sum(len(a["tokens"]) for a in stored)
+    runs: dict[str, list[float]] = {k: [] for k in ("archive_write", "archive_read", "numpy_write", "numpy_read",
+                                                     "stored_write", "stored_read")}
+    scratch = Path(tempfile.mkdtemp(prefix="gyreflow-trajectories-"))
+    try:
+        for i in range(repeats):
+            base = scratch / f"round{i}"
+            arch = base / "archive.zarr"
+
+            def write_archive() -> None:
+                create_archive(arch, {"benchmark": "trajectories"})
+                for r in executions:
+                    write_execution(arch, r)
+                commit_step(arch, 0)
+
+            def read_archive() -> None:
+                reader = ArchiveReader(arch)
+                for eid in reader.executions(0):
+                    reader.load_execution(0, eid)
+
+            for label, arrays in (("numpy", flat), ("stored", stored)):
+                d = base / label
+                d.mkdir(parents=True)
+
+                def write_numpy() -> None:
+                    for r, a in zip(executions, arrays):
+                        for name, v in a.items():
+                            np.save(d / f"{r.execution_id}.{name}.npy", v)
+
+                def read_numpy() -> None:
+                    for r, a in zip(executions, arrays):
+                        for name in a:
+                            np.load(d / f"{r.execution_id}.{name}.npy")
+
+                runs[f"{label}_write"].append(_timed(write_numpy))
+                runs[f"{label}_read"].append(_timed(read_numpy))
+            runs["archive_write"].append(_timed(write_archive))
+            runs["archive_read"].append(_timed(read_archive))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ratio = lambda base, phase: _stats([b / a for a, b in zip(runs[f"archive_{phase}"], runs[f"{base}_{phase}"])])
+    return {
+        "executions": len(executions), "calls": sum(len(r.calls) for r in executions),
+        "call_tokens": int(logical), "stored_tokens": int(tree_tokens),
+        "stored_tokens_ratio": logical / tree_tokens,
+        "seconds": {k: _stats(v) for k, v in runs.items()},
+        "archive_write_vs_numpy": ratio("numpy", "write"), "archive_read_vs_numpy": ratio("numpy", "read"),
+        "archive_write_vs_numpy_stored": ratio("stored", "write"),
+        "archive_read_vs_numpy_stored": ratio("stored", "read"),
+    }
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _fwd_bwd_s(trainer: Trainer, samples: list[PathSample]) -> float:
     t0 = time.perf_counter()
     trainer.gradients(samples, "ppo_clip", clip_eps=0.2)
@@ -77,7 +192,7 @@ def _samples(trees: list[TrajectoryTree], j_max: int, packed: bool) -> list[Path
 
 
 def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branches: int = 8, jmax_paths: int = 12,
-        repeats: int = 3, seed: int = 0) -> dict:
+        repeats: int = 3, seed: int = 0, archive_executions: int = 32, archive_calls: int = 40) -> dict:
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     trainer = Trainer(build_policy(ModelConfig(), seed=seed), OptimConfig(micro_batch_tokens=1 << 30))
@@ -95,6 +210,8 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
         for j in t_j:
             t_j[j].append(_fwd_bwd_s(trainer, _samples(wide, j, packed=True)))
     speedup = [a / b for a, b in zip(t_path, t_tree)]
+    archive = archive_io([agent_execution(rng, f"a{i}", calls=archive_calls) for i in range(archive_executions)],
+                         repeats)
     fraction = {str(j): _stats([a / b for a, b in zip(t_j[j], t_j[0])]) for j in (1, 5)}
     return {
         "git": _git(),
@@ -106,8 +223,11 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
         "tree_training_speedup": _stats(speedup),
         "jmax_fwd_bwd_s": {str(j): _stats(v) for j, v in t_j.items()},
         "jmax_fwd_bwd_fraction": fraction,
-        "not_measured": ["stored_tokens_ratio", "archive_write_vs_numpy", "archive_read_vs_numpy",
-                         "grad_reduce_peak_memory_ratio"],
+        "archive": archive,
+        "stored_tokens_ratio": archive["stored_tokens_ratio"],
+        "archive_write_vs_numpy": archive["archive_write_vs_numpy"],
+        "archive_read_vs_numpy": archive["archive_read_vs_numpy"],
+        "not_measured": ["grad_reduce_peak_memory_ratio"],
     }
 
 
@@ -128,6 +248,12 @@ def summary(out: dict) -> str:
         f"tree_training_speedup: {s['mean']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f})",
         *(f"jmax_fwd_bwd_fraction[{j}]: {f[j]['mean']:.3f} (min {f[j]['min']:.3f}, max {f[j]['max']:.3f})"
           for j in ("1", "5")),
+        f"stored_tokens_ratio: {out['stored_tokens_ratio']:.2f}x fewer tokens as trees "
+        f"({out['archive']['call_tokens']:,} in the calls, {out['archive']['stored_tokens']:,} stored)",
+        *(f"archive_{ph}_vs_numpy: {out[f'archive_{ph}_vs_numpy']['mean']:.2f} "
+          f"(min {out[f'archive_{ph}_vs_numpy']['min']:.2f}, max {out[f'archive_{ph}_vs_numpy']['max']:.2f}); "
+          f"vs numpy of the stored arrays {out['archive'][f'archive_{ph}_vs_numpy_stored']['mean']:.3f}"
+          for ph in ("write", "read")),
         f"not measured by this command yet: {', '.join(out['not_measured'])}",
     ])
 
