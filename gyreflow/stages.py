@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from distributed import get_worker
+from distributed.utils import sync
 
 from gyreflow.agents.external import ExternalAgent, run_external
 from gyreflow.agents.loop import AgentConfig, run_agent
@@ -30,7 +31,8 @@ from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
 from gyreflow.model.policy import build_policy, load_policy, save_policy, state_dict_numpy
 from gyreflow.train.packing import PathSample
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
-from gyreflow.train.trainer import GradientShare, Trainer
+from gyreflow.train.reduce import GradientShare, msg_to_share
+from gyreflow.train.trainer import Trainer
 from gyreflow.trajectory.records import ExecutionResult, record_problems
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
@@ -214,23 +216,56 @@ def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str,
     """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
     weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
     mid-step takes shares too."""
-    trainer = get_worker().plugins[TRAINER_PLUGIN].at(published)
+    worker = get_worker()
+    service = worker.plugins[TRAINER_PLUGIN]
+    trainer = service.at(published)
     trainable = [s for s in group["samples"] if s.n_trained]
     samples = [trainable[i] for i in partition([s.n_trained for s in trainable], shares)[j]]
     t0 = time.time()
     out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)
     out.train_s = time.time() - t0
-    out.worker = get_worker().address
+    out.worker = worker.address
+    # The gradient stays on this cell, in its running sum for the step; the update takes the sum.
+    return service.sums.add(published["run"], worker.get_current_task(), out)
+
+
+class LostGradients(RuntimeError):
+    """A cell that held gradient shares of the step could not hand them over."""
+
+
+def gather_sums(shares: list[GradientShare], run: str) -> list[GradientShare]:
+    """One summed share per cell that holds some of ``shares`` (their gradients), taken from the
+    cells' running sums: this cell's directly, the others' by RPC. Runs inside a task."""
+    worker = get_worker()
+    service = worker.plugins[TRAINER_PLUGIN]
+    by_cell: dict[str, list[GradientShare]] = {}
+    for s in shares:
+        by_cell.setdefault(s.worker, []).append(s)
+    keys = {cell: sorted(s.key for s in held) for cell, held in by_cell.items()}
+    out = []
+    for cell, held in by_cell.items():
+        version = held[0].version
+        try:
+            if cell == worker.address:
+                out.append(service.sums.take(run, version, keys[cell]))
+                continue
+            msg = sync(worker.loop, worker.rpc(cell).gyreflow_grad_take, run=run, version=version, keys=keys[cell])
+        except (KeyError, OSError) as err:
+            raise LostGradients(f"cell {cell} could not hand over its gradient sum: {err}") from None
+        if "error" in msg:
+            raise LostGradients(f"cell {cell} could not hand over its gradient sum: {msg['error']}")
+        out.append(msg_to_share(msg))
     return out
 
 
 def apply_update(step: int, shares: list[GradientShare], state: dict) -> dict:
-    """The step's optimizer update from its gradient shares; the next RL state (new weights
-    version, optimizer state). Runs on a trainer cell."""
+    """The step's optimizer update from its gradient shares (one summed gradient taken from each
+    cell that computed some); the next RL state (new weights version, optimizer state). Runs on a
+    trainer cell."""
     service = get_worker().plugins[TRAINER_PLUGIN]
     trainer = service.resume(state)
     t0 = time.time()
-    metrics = trainer.apply_gradients(shares)
+    metrics = trainer.apply_gradients(gather_sums(shares, state["run"]))
     service.applied()
     metrics["apply_s"] = time.time() - t0
     metrics["train_s"] = sum(s.train_s for s in shares) + metrics["apply_s"]

@@ -148,3 +148,89 @@ def test_truncated_importance_weight_on_samples_of_the_current_version():
     # every ratio is far above 1 + eps: the clip is the active branch wherever the advantage is positive
     assert old.sums["clip_frac"] == pytest.approx(sum(s.n_trained for s in data if s.advantage > 0))
     assert 0 < old.sums["clip_frac"] < old.tokens
+
+
+# ----------------------------------------------------------------- reduction on the cells
+
+TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+
+
+def test_cell_sums_give_the_update_of_every_share_and_count_a_share_once():
+    from gyreflow.train.reduce import CellSums, msg_to_share, share_to_msg
+
+    data = samples(9, 4)
+    parts = partition([int(s.trained.sum()) for s in data], 4)
+    ref = Trainer(build_policy(TINY, seed=2), OptimConfig(lr=1e-2), version=5)
+    t = Trainer(build_policy(TINY, seed=2), OptimConfig(lr=1e-2), version=5)
+    shares = [t.gradients([data[i] for i in b], "ppo_clip", clip_eps=0.2) for b in parts]
+    want = ref.apply_gradients([ref.gradients([data[i] for i in b], "ppo_clip", clip_eps=0.2) for b in parts])
+    cells = [CellSums(), CellSums()]  # shares 0, 2 on one cell, 1, 3 on the other
+    light = [cells[k % 2].add("run", f"grad-{k}", s) for k, s in enumerate(shares)]
+    assert all(s.grads is None and s.key == f"grad-{k}" for k, s in enumerate(light))
+    cells[0].add("run", "grad-0", shares[0])  # a share delivered twice is summed once
+    with pytest.raises(KeyError, match="not"):
+        cells[1].take("run", 5, ["grad-1"])  # not exactly what the cell holds: refused, kept
+    sums = [cells[0].take("run", 5, ["grad-0", "grad-2"]), cells[1].take("run", 5, ["grad-1", "grad-3"])]
+    assert len(cells[0]) == len(cells[1]) == 0
+    sums[1] = msg_to_share(share_to_msg(sums[1]))  # as it crosses the wire
+    got = t.apply_gradients(sums)
+    assert got["shares"] == 4 and got["trained_tokens"] == want["trained_tokens"]
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    for (name, a), b in zip(ref.model.named_parameters(), t.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_shares_of_different_versions_are_not_summed():
+    from gyreflow.train.reduce import CellSums, merge
+
+    t = Trainer(build_policy(TINY, seed=1), OptimConfig(), version=2)
+    a = t.gradients(samples(2, 1), "reinforce")
+    t.version = 3
+    b = t.gradients(samples(2, 2), "reinforce")
+    with pytest.raises(ValueError, match="versions 2 and 3"):
+        merge([a, b])
+    sums = CellSums()
+    sums.add("run", "a", a)
+    sums.add("run", "b", b)  # another step's sum on the same cell
+    assert len(sums) == 2 and sums.take("run", 3, ["b"]).tokens == b.tokens
+
+
+def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
+    """On a real cluster: a group's shares run on two trainer cells, each keeps its gradients in
+    its own sum, and the update (on one of them) takes one sum per cell: the same update as one
+    trainer on every sample."""
+    from distributed import Client
+
+    from gyreflow.cluster.local import PoolSpec, local_cluster
+    from gyreflow.stages import _published, apply_update, gradient_share
+    from gyreflow.cluster.pools import TRAINER
+    from gyreflow.train.service import TrainerService
+
+    data = samples(8, 7)
+    model = build_policy(TINY, seed=3)
+    optim = OptimConfig(lr=1e-2)
+    published = _published(model, 0, optim, "shares-test")
+    state = published | {"optimizer": None}
+    ref = Trainer(build_policy(TINY, seed=3), optim, version=0)
+    want = ref.rl_step(data, "ppo_clip", clip_eps=0.2)
+    group = {"samples": data}
+    with local_cluster(PoolSpec(rollout=1, trainer=2, execution_slots=1)) as cluster, Client(cluster) as client:
+        info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+        cells = sorted(a for a, w in info.items() if w.get("resources", {}).get(TRAINER))
+        assert len(cells) == 2
+        client.register_plugin(TrainerService(torch_threads=1))
+        shares = [client.submit(gradient_share, group, published, j, 4, "ppo_clip", {"clip_eps": 0.2},
+                                key=f"grad-0-t-{j}", workers=[cells[j % 2]], allow_other_workers=False)
+                  for j in range(4)]
+        light = client.gather(shares)
+        assert {s.worker for s in light} == set(cells) and all(s.grads is None for s in light)
+        new = client.submit(apply_update, 0, shares, state, key="update-0", workers=[cells[0]],
+                            allow_other_workers=False).result()
+        assert new["metrics"]["shares"] == 4 and new["metrics"]["share_workers"] == cells
+        assert new["metrics"]["trained_tokens"] == want["trained_tokens"]
+        assert new["metrics"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        # Nothing is left behind on either cell.
+        left = client.run(lambda dask_worker: len(dask_worker.plugins["gyreflow-trainer"].sums), workers=cells)
+        assert set(left.values()) == {0}
+    for name, p in ref.model.named_parameters():
+        np.testing.assert_allclose(new["weights"][name], p.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

@@ -74,12 +74,12 @@ def msg_to_result(msg: dict) -> GenerationResult:
     )
 
 
-def _array_msg(a: np.ndarray) -> dict:
+def array_to_msg(a: np.ndarray) -> dict:
     a = np.ascontiguousarray(a)
     return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
-def _msg_array(m: dict) -> np.ndarray:
+def msg_to_array(m: dict) -> np.ndarray:
     return np.frombuffer(m["data"], dtype=np.dtype(m["dtype"])).reshape(m["shape"]).copy()
 
 
@@ -89,14 +89,14 @@ def state_to_msg(state: LiveRequestState) -> dict:
     params = _params_msg(state.params)
     return {
         "request_id": state.request_id,
-        "prompt_ids": _array_msg(state.prompt_ids),
-        "completion_ids": _array_msg(state.completion_ids),
-        "logprobs": _array_msg(state.logprobs),
-        "versions": _array_msg(state.versions),
+        "prompt_ids": array_to_msg(state.prompt_ids),
+        "completion_ids": array_to_msg(state.completion_ids),
+        "logprobs": array_to_msg(state.logprobs),
+        "versions": array_to_msg(state.versions),
         "params": params,
         "session": state.session,
-        "generator_state": _array_msg(state.generator_state),
-        "kv": _array_msg(state.kv),
+        "generator_state": array_to_msg(state.generator_state),
+        "kv": array_to_msg(state.kv),
         "prefix_reused": int(state.prefix_reused),
         "source": state.source,
         "source_version": int(state.source_version),
@@ -106,14 +106,14 @@ def state_to_msg(state: LiveRequestState) -> dict:
 def msg_to_state(msg: dict) -> LiveRequestState:
     return LiveRequestState(
         request_id=msg["request_id"],
-        prompt_ids=_msg_array(msg["prompt_ids"]),
-        completion_ids=_msg_array(msg["completion_ids"]),
-        logprobs=_msg_array(msg["logprobs"]),
-        versions=_msg_array(msg["versions"]),
+        prompt_ids=msg_to_array(msg["prompt_ids"]),
+        completion_ids=msg_to_array(msg["completion_ids"]),
+        logprobs=msg_to_array(msg["logprobs"]),
+        versions=msg_to_array(msg["versions"]),
         params=_msg_params(msg["params"]),
         session=msg.get("session"),
-        generator_state=_msg_array(msg["generator_state"]),
-        kv=_msg_array(msg["kv"]),
+        generator_state=msg_to_array(msg["generator_state"]),
+        kv=msg_to_array(msg["kv"]),
         prefix_reused=msg.get("prefix_reused", 0),
         source=msg.get("source", ""),
         source_version=msg.get("source_version", 0),

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from gyreflow.train.reduce import CellSums, share_to_msg
+
 if TYPE_CHECKING:
     from gyreflow.train.trainer import OptimConfig, Trainer
 
@@ -34,12 +36,25 @@ class TrainerService(WorkerPlugin):
         self.optimizer_of: tuple[str, int] | None = None
         """(run, version) whose optimizer state the replica's optimizer holds."""
         self.loads = 0
+        self.sums: CellSums | None = None
+        """This cell's running gradient sums, one per step (see :mod:`gyreflow.train.reduce`);
+        made on the worker (a plugin travels pickled)."""
 
     async def setup(self, worker) -> None:
         if self.torch_threads:
             import torch
 
             torch.set_num_threads(self.torch_threads)
+        self.sums = CellSums()
+        worker.handlers["gyreflow_grad_take"] = self.take_sum
+
+    def take_sum(self, run: str, version: int, keys: list[str]) -> dict:
+        """RPC: this cell's gradient sum of the shares ``keys`` (see :meth:`CellSums.take`), as a message."""
+        try:
+            share = self.sums.take(run, version, keys)
+        except KeyError as err:
+            return {"error": str(err.args[0])}
+        return share_to_msg(share)
 
     def init(self, hf_config: dict, weights: dict[str, np.ndarray], optim: OptimConfig, version: int) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -15,30 +15,7 @@ import torch
 from gyreflow.algo.registry import LOSSES
 from gyreflow.model.policy import state_dict_numpy
 from gyreflow.train.packing import MicroBatch, PathSample, pack
-
-
-@dataclass
-class GradientShare:
-    """One share of a step's gradient work (:meth:`Trainer.gradients`), summed by
-    :meth:`Trainer.apply_gradients`."""
-
-    grads: dict[str, np.ndarray]
-    """Weight-summed gradient of the loss over the share's samples, by parameter name."""
-    tokens: int
-    """Samples trained."""
-    weight: float
-    """Their total loss weight (the step divides by the sum over its shares)."""
-    sums: dict[str, float]
-    """Weight-summed metrics of the loss."""
-    oldest: int | None
-    """Oldest weights version of a trained sample."""
-    stale_masked: int
-    """Samples left out as staler than the bound."""
-    padded_tokens: int
-    version: int
-    """Weights version the gradient was taken at."""
-    train_s: float = 0.0
-    worker: str = ""
+from gyreflow.train.reduce import GradientShare
 
 
 @dataclass(frozen=True)
@@ -189,6 +166,8 @@ class Trainer:
         """The optimizer step of a step whose gradient work was split into ``parts``: the same
         update as :meth:`rl_step` on all their samples at once (a token mean over the step)."""
         for part in parts:
+            if part.grads is None:
+                raise ValueError("a gradient share without its gradient: take its cell's sum (gyreflow.train.reduce)")
             if part.version != self.version:
                 raise ValueError(f"a gradient share was computed at version {part.version}, the trainer is at "
                                  f"{self.version}")
@@ -215,7 +194,7 @@ class Trainer:
             "grad_norm": norm,
             "trained_tokens": int(total),
             "padded_tokens": int(sum(p.padded_tokens for p in parts)),
-            "shares": len(parts),
+            "shares": int(sum(p.count for p in parts)),
             "stale_masked": int(sum(p.stale_masked for p in parts)),
             "max_staleness": int(self.version - 1 - min(oldest)) if oldest else 0,
             "version": self.version,
