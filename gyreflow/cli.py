@@ -306,14 +306,19 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, ex
               help="Agent executions written to and read from the archive.")
 @click.option("--archive-calls", type=click.IntRange(1), default=40, show_default=True,
               help="Main-agent calls of each of them.")
+@click.option("--reduce-groups", type=click.IntRange(1), default=32, show_default=True,
+              help="Groups of the step whose gradient reduction is measured.")
+@click.option("--reduce-shares", type=click.IntRange(1), default=8, show_default=True, help="Shares per group.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
-def bench_trajectories(repeats, executions, path_tokens, archive_executions, archive_calls, json_path) -> None:
+def bench_trajectories(repeats, executions, path_tokens, archive_executions, archive_calls, reduce_groups,
+                       reduce_shares, json_path) -> None:
     """Tree-shared vs per-path training, forward-backward at J_max 1 and 5 vs uncapped, stored
     tokens and archive throughput vs numpy, gradient-reduction memory."""
     from gyreflow.bench import trajectories
 
     out = trajectories.run(executions=executions, path_tokens=path_tokens, repeats=repeats,
-                           archive_executions=archive_executions, archive_calls=archive_calls)
+                           archive_executions=archive_executions, archive_calls=archive_calls,
+                           reduce_groups=reduce_groups, reduce_shares=reduce_shares)
     click.echo(trajectories.summary(out))
     if json_path:
         trajectories.write_json(out, json_path)

@@ -22,6 +22,7 @@ def test_bench_trajectories_writes_the_ratios(tmp_path):
     out = tmp_path / "t.json"
     p = subprocess.run([sys.executable, "-m", "gyreflow.cli", "bench", "trajectories", "--repeats", "2",
                         "--executions", "1", "--path-tokens", "40", "--archive-executions", "3", "--archive-calls", "20",
+                        "--reduce-groups", "4", "--reduce-shares", "2",
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -36,6 +37,10 @@ def test_bench_trajectories_writes_the_ratios(tmp_path):
     # Stored tokens: the calls' tokens over the trees' (an agent's prompts extend its earlier calls).
     arch = data["archive"]
     assert data["stored_tokens_ratio"] == arch["call_tokens"] / arch["stored_tokens"] > 3
+    # 8 shares each a copy of the parameters, against 2 cell sums and the share in flight.
+    red = data["grad_reduce"]
+    assert red["before_peak_bytes"] >= 8 * red["parameter_bytes"] and red["after_peak_bytes"] < 4 * red["parameter_bytes"]
+    assert data["grad_reduce_peak_memory_ratio"] == red["before_peak_bytes"] / red["after_peak_bytes"]
     for key in ("archive_write_vs_numpy", "archive_read_vs_numpy"):
         assert data[key]["min"] > 0 and len(data[key]["runs"]) == 2
 

@@ -19,8 +19,12 @@ stored_tokens_ratio, archive_write_vs_numpy, archive_read_vs_numpy
     arrays (``archive.*_vs_numpy_stored``: against numpy of the archive's own arrays, zarr's and the
     tree's overhead alone).
 
-Each figure is repeated, the arms interleaved; the JSON gives mean, min and max. Keys not measured
-yet are listed under ``not_measured``.
+grad_reduce_peak_memory_ratio
+    Peak memory of a step's gradient reduction at 32 groups x 8 shares, every share's gradient
+    gathered by the update (before) over per-cell running sums on 2 cells (after); see
+    :func:`grad_reduce_memory`. Deterministic, so measured once.
+
+Each timing is repeated, the arms interleaved; the JSON gives mean, min and max.
 """
 
 from __future__ import annotations
@@ -164,6 +168,52 @@ def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
     }
 
 
+def grad_reduce_memory(groups: int = 32, shares: int = 8, cells: int = 2) -> dict:
+    """Peak memory (``tracemalloc``, numpy's allocations included) of reducing one step's gradient
+    shares of the default policy, before and after per-cell reduction, in one process.
+
+    Before: the update receives every share with its gradient (as Dask hands a task its
+    dependencies) and sums them. After: each share is added into its cell's running sum as it is
+    computed and dropped; the update takes one sum per cell and sums those. The gradient values do
+    not matter to memory; each share's is the policy's parameter shapes filled with noise.
+    """
+    import gc
+    import tracemalloc
+
+    from gyreflow.train.reduce import CellSums, GradientShare, merge
+
+    shapes = {n: tuple(p.shape) for n, p in build_policy(ModelConfig(), seed=0).named_parameters()}
+    param_bytes = 4 * sum(int(np.prod(s)) for s in shapes.values())
+    rng = np.random.default_rng(0)
+
+    def share() -> GradientShare:
+        return GradientShare({n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()},
+                             100, 100.0, {"loss": 1.0}, 0, 0, 0, version=1)
+
+    def peak(fn) -> int:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            fn()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def before() -> None:
+        received = [share() for _ in range(groups * shares)]
+        merge(received)
+
+    def after() -> None:
+        sums = [CellSums() for _ in range(cells)]
+        for k in range(groups * shares):
+            sums[k % cells].add("bench", f"grad-{k}", share())
+        merge([s.take("bench", 1, [f"grad-{k}" for k in range(c, groups * shares, cells)]) for c, s in enumerate(sums)])
+
+    b, a = peak(before), peak(after)
+    return {"groups": groups, "shares": shares, "cells": cells, "parameter_bytes": param_bytes,
+            "before_peak_bytes": b, "after_peak_bytes": a, "grad_reduce_peak_memory_ratio": b / a}
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -192,7 +242,8 @@ def _samples(trees: list[TrajectoryTree], j_max: int, packed: bool) -> list[Path
 
 
 def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branches: int = 8, jmax_paths: int = 12,
-        repeats: int = 3, seed: int = 0, archive_executions: int = 32, archive_calls: int = 40) -> dict:
+        repeats: int = 3, seed: int = 0, archive_executions: int = 32, archive_calls: int = 40,
+        reduce_groups: int = 32, reduce_shares: int = 8) -> dict:
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     trainer = Trainer(build_policy(ModelConfig(), seed=seed), OptimConfig(micro_batch_tokens=1 << 30))
@@ -210,6 +261,7 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
         for j in t_j:
             t_j[j].append(_fwd_bwd_s(trainer, _samples(wide, j, packed=True)))
     speedup = [a / b for a, b in zip(t_path, t_tree)]
+    reduce_mem = grad_reduce_memory(reduce_groups, reduce_shares)
     archive = archive_io([agent_execution(rng, f"a{i}", calls=archive_calls) for i in range(archive_executions)],
                          repeats)
     fraction = {str(j): _stats([a / b for a, b in zip(t_j[j], t_j[0])]) for j in (1, 5)}
@@ -227,7 +279,8 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
         "stored_tokens_ratio": archive["stored_tokens_ratio"],
         "archive_write_vs_numpy": archive["archive_write_vs_numpy"],
         "archive_read_vs_numpy": archive["archive_read_vs_numpy"],
-        "not_measured": ["grad_reduce_peak_memory_ratio"],
+        "grad_reduce": reduce_mem,
+        "grad_reduce_peak_memory_ratio": reduce_mem["grad_reduce_peak_memory_ratio"],
     }
 
 
@@ -254,7 +307,11 @@ def summary(out: dict) -> str:
           f"(min {out[f'archive_{ph}_vs_numpy']['min']:.2f}, max {out[f'archive_{ph}_vs_numpy']['max']:.2f}); "
           f"vs numpy of the stored arrays {out['archive'][f'archive_{ph}_vs_numpy_stored']['mean']:.3f}"
           for ph in ("write", "read")),
-        f"not measured by this command yet: {', '.join(out['not_measured'])}",
+        f"grad_reduce_peak_memory_ratio: {out['grad_reduce_peak_memory_ratio']:.1f}x less at "
+        f"{out['grad_reduce']['groups']} groups x {out['grad_reduce']['shares']} shares on "
+        f"{out['grad_reduce']['cells']} cells ({out['grad_reduce']['before_peak_bytes'] / 1e6:,.0f} MB before, "
+        f"{out['grad_reduce']['after_peak_bytes'] / 1e6:,.0f} MB after; parameters "
+        f"{out['grad_reduce']['parameter_bytes'] / 1e6:,.0f} MB)",
     ])
 
 
