@@ -1,6 +1,8 @@
 """Archive write/read throughput against a numpy.save/numpy.load baseline measured in the same run.
 
-Writes the same synthetic executions (Zipf-like token ids, ragged calls) once through the zarr
+Writes the same synthetic executions (Zipf-like token ids, ragged calls whose prompts share
+nothing: the worst case for the archive's trees; `gyreflow bench trajectories` measures agent-like
+executions) once through the zarr
 archive (``write_execution`` + ``commit_step``, read back with ``ArchiveReader.load_execution``)
 and once as one ``.npy`` file per flat array per execution, and prints tokens/s, the
 archive/numpy ratios and on-disk sizes. Reads follow writes, so both hit the page cache; the
@@ -25,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from gyreflow.storage import ArchiveReader, commit_step, create_archive, write_execution
-from gyreflow.storage.writer import execution_arrays
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
 
 VOCAB = 151_936
@@ -86,6 +87,18 @@ def make_executions(
                 end_reason="done",
             )
         )
+    return out
+
+
+def call_arrays(r: ExecutionResult) -> dict[str, np.ndarray]:
+    """Every call's prompt and completion (with log-probs and versions), concatenated, with offsets."""
+    out = {}
+    for name, attr, dtype in (("prompt", "prompt_ids", np.int32), ("completion", "completion_ids", np.int32)):
+        parts = [getattr(c, attr) for c in r.calls]
+        out[f"{name}_tokens"] = np.concatenate(parts).astype(dtype)
+        out[f"{name}_offsets"] = np.concatenate([[0], np.cumsum([len(a) for a in parts])]).astype(np.int64)
+    out["logprobs"] = np.concatenate([c.logprobs for c in r.calls])
+    out["versions"] = np.concatenate([c.versions for c in r.calls])
     return out
 
 
@@ -161,8 +174,8 @@ def main() -> None:
     executions = make_executions(
         args.executions, args.calls, args.tokens, args.prompt_share, args.seed
     )
-    # The baseline saves exactly the flat arrays the archive stores (flattening not timed).
-    flat = [execution_arrays(r) for r in executions]
+    # The baseline saves the calls' arrays, concatenated per execution (flattening not timed).
+    flat = [call_arrays(r) for r in executions]
     n_tokens = sum(len(a["prompt_tokens"]) + len(a["completion_tokens"]) for a in flat)
     scratch = args.dir or Path(tempfile.mkdtemp(prefix="gyreflow-archive-bench-"))
     rounds = []

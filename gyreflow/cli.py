@@ -399,8 +399,9 @@ def bench_modes(config_path, overrides, cells, out, json_path) -> None:
     figures = {}
     for mode in PLACEMENTS.names():
         rollout, trainer = PLACEMENTS.get(mode).start_split(cells - 1, 1)
+        on_policy = ["rl.staleness=0"] if PLACEMENTS.get(mode).on_policy else []
         try:
-            cfg = load_config(config_path, [*overrides, f"cluster.placement={mode}",
+            cfg = load_config(config_path, [*overrides, *on_policy, f"cluster.placement={mode}",
                                             f"cluster.rollout_workers={rollout}", f"cluster.trainer_workers={trainer}"])
         except ConfigError as err:
             raise click.UsageError(f"invalid config: {err}") from None

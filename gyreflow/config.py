@@ -220,6 +220,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("cluster.consolidate_batch", cfg.cluster.consolidate_batch)
     for name in ("dwell_s", "idle_s", "drain_s", "stall_s"):
         _positive(f"cluster.{name}", getattr(cfg.cluster, name), allow_zero=name != "stall_s")
+    if PLACEMENTS.get(cfg.cluster.placement).on_policy and cfg.rl.staleness > 0:
+        raise ConfigError(f"cluster.placement {cfg.cluster.placement!r} trains on-policy (every cell rolls out, then every "
+                          f"cell trains), so rl.staleness={cfg.rl.staleness} cannot hold: set rl.staleness=0")
     why = PLACEMENTS.get(cfg.cluster.placement).check(cfg.cluster.rollout_workers, cfg.cluster.trainer_workers,
                                                         **placement_options(cfg))
     if why:

@@ -118,7 +118,7 @@ def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
         for eid in group.attrs["executions"]:
             ex = group[f"executions/{eid}"]
             assert ex.attrs["complete"] is True
-            assert ex["completion_offsets"].shape[0] == ex.attrs["n_calls"] + 1
+            assert ex["call_meta"].shape[0] == ex.attrs["n_calls"]
 
 
 def test_pool_configs_that_cannot_work_are_refused(tmp_path):

@@ -33,6 +33,8 @@ def test_file_then_overrides(tmp_path):
         ("agent.top_p=0.9", "a nucleus-sampled call trains nothing"),
         ("agent.temperature=0", "a greedy call is not a sample"),
         ("external.pin_temperature=0", "ExternalAgent.pin_temperature must be in (0, 2]"),
+        ("cluster.placement=colocated", "trains on-policy (every cell rolls out, then every cell trains), so "
+                                        "rl.staleness=1 cannot hold: set rl.staleness=0"),
         ("cluster.placement=sometimes", "cluster.placement: unknown mode 'sometimes'; allowed: async, colocated, elastic, lend"),
         ("cluster.rollout_workers=0", "cluster.rollout_workers must be >= 1"),
         ("cluster.trainer_workers=-1", "cluster.trainer_workers must be >= 0"),
