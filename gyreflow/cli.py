@@ -373,56 +373,98 @@ def bench_proxy(calls, warmup, messages, concurrency, client_kind, json_path) ->
         console.print(f"figures written to {json_path}")
 
 
-@bench.command("modes")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
-@click.option("--cells", type=int, default=3, show_default=True, help="Cells of the embedded cluster.")
-@click.option("--out", type=click.Path(file_okay=False), default="storage/bench-modes", show_default=True,
-              help="Parent directory of the three runs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
-def bench_modes(config_path, overrides, cells, out, json_path) -> None:
-    """The grpo pipeline with real compute (torch engine) in every placement mode, side by side."""
-    import json
+def _compare_runs(arms: dict[str, list[str]], config_path, overrides, out, cells) -> dict:
+    """The grpo pipeline once per arm (its extra overrides), on an embedded cluster of its own, with
+    the same seeds and the SFT cache shared; figures per arm."""
     import shutil
 
     from distributed import Client
 
     from gyreflow.cluster.local import PoolSpec, local_cluster
-    from gyreflow.config import ConfigError, load_config
-
-    _quiet()
-    if cells < 2:
-        raise click.UsageError("--cells must be >= 2 (one rollout and one trainer cell at least)")
     from gyreflow.cluster.modes import PLACEMENTS
+    from gyreflow.config import ConfigError, load_config
 
     pipeline = find_pipeline("grpo")
     figures = {}
-    for mode in PLACEMENTS.names():
-        rollout, trainer = PLACEMENTS.get(mode).start_split(cells - 1, 1)
-        on_policy = ["rl.staleness=0"] if PLACEMENTS.get(mode).on_policy else []
+    for arm, extra in arms.items():
         try:
-            cfg = load_config(config_path, [*overrides, *on_policy, f"cluster.placement={mode}",
-                                            f"cluster.rollout_workers={rollout}", f"cluster.trainer_workers={trainer}"])
+            cfg = load_config(config_path, [*overrides, *extra])
         except ConfigError as err:
-            raise click.UsageError(f"invalid config: {err}") from None
-        run_dir = Path(out, mode)
+            raise click.UsageError(f"invalid config ({arm}): {err}") from None
+        mode = PLACEMENTS.get(cfg.cluster.placement)
+        rollout, trainer = (mode.start_split(cells - 1, 1) if cells else
+                            (cfg.cluster.rollout_workers, cfg.cluster.trainer_workers))
+        run_dir = Path(out, arm)
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-        console.print(f"{mode}: {rollout} rollout + {trainer} trainer cells ...")
+        console.print(f"{arm}: {rollout} rollout + {trainer} trainer cells ...")
         spec = PoolSpec(rollout=rollout, trainer=trainer, execution_slots=cfg.cluster.execution_slots)
         with local_cluster(spec) as cluster, Client(cluster) as client:
             report = pipeline.run(client, cfg, run_dir, log=lambda *_: None, cache_dir=Path("storage/sft-cache"))
         placement = report.get("placement", {})
-        figures[mode] = {"wall_s": report["total_wall_s"], "rl_wall_s": sum(s["wall_s"] for s in report["steps"]),
-                         "moves": placement.get("moves", 0), "migrations": placement.get("migrations", 0),
-                         "heldout_pass_rate": [report["initial_heldout_pass_rate"]] + [s["heldout_pass_rate"] for s in report["steps"]
-                                                                                        if s["heldout_pass_rate"] is not None],
-                         "max_staleness": max(s["max_staleness"] for s in report["steps"])}
-        console.print(f"  {mode}: RL steps {figures[mode]['rl_wall_s']:.1f}s  moves {figures[mode]['moves']}  "
-                      f"migrations {figures[mode]['migrations']}  held-out pass "
-                      f"{figures[mode]['heldout_pass_rate'][0]:.3f} -> {figures[mode]['heldout_pass_rate'][-1]:.3f}")
+        steps = report["steps"]
+        figures[arm] = {"overrides": extra, "wall_s": report["total_wall_s"], "rl_wall_s": sum(s["wall_s"] for s in steps),
+                        "train_s": sum(s.get("train", {}).get("train_s", 0.0) for s in steps),
+                        "trained_tokens": sum(s.get("train", {}).get("trained_tokens", 0) for s in steps),
+                        "moves": placement.get("moves", 0), "migrations": placement.get("migrations", 0),
+                        "heldout_pass_rate": [report["initial_heldout_pass_rate"]] + [s["heldout_pass_rate"] for s in steps
+                                                                                       if s["heldout_pass_rate"] is not None],
+                        "max_staleness": max(s["max_staleness"] for s in steps)}
+        f = figures[arm]
+        console.print(f"  {arm}: RL steps {f['rl_wall_s']:.1f}s  training {f['train_s']:.1f}s  trained tokens "
+                      f"{f['trained_tokens']:,}  moves {f['moves']}  migrations {f['migrations']}  held-out pass "
+                      f"{f['heldout_pass_rate'][0]:.3f} -> {f['heldout_pass_rate'][-1]:.3f}")
+    return figures
+
+
+@bench.command("modes")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
+@click.option("--cells", type=int, default=3, show_default=True, help="Cells of the embedded cluster.")
+@click.option("--out", type=click.Path(file_okay=False), default="storage/bench-modes", show_default=True,
+              help="Parent directory of the runs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_modes(config_path, overrides, cells, out, json_path) -> None:
+    """The grpo pipeline with real compute (torch engine) in every placement mode, side by side."""
+    import json
+
+    from gyreflow.cluster.modes import PLACEMENTS
+
+    _quiet()
+    if cells < 2:
+        raise click.UsageError("--cells must be >= 2 (one rollout and one trainer cell at least)")
+    arms = {m: [*(["rl.staleness=0"] if PLACEMENTS.get(m).on_policy else []), f"cluster.placement={m}",
+                f"cluster.rollout_workers={PLACEMENTS.get(m).start_split(cells - 1, 1)[0]}",
+                f"cluster.trainer_workers={PLACEMENTS.get(m).start_split(cells - 1, 1)[1]}"]
+            for m in PLACEMENTS.names()}
+    figures = _compare_runs(arms, config_path, overrides, out, cells)
     if json_path:
         Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+@bench.command("jmax")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
+@click.option("--values", default="1,5,0", show_default=True, help="Comma-separated rl.j_max values (0 = all paths).")
+@click.option("--out", type=click.Path(file_okay=False), default="storage/bench-jmax", show_default=True,
+              help="Parent directory of the runs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_jmax(config_path, overrides, values, out, json_path) -> None:
+    """The grpo pipeline (the main job unless --config/--set say otherwise) once per rl.j_max, same
+    seeds: held-out pass rate, training time and trained tokens side by side."""
+    import json
+
+    _quiet()
+    try:
+        js = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise click.UsageError(f"--values must be comma-separated integers, got {values!r}") from None
+    if not js or min(js) < 0:
+        raise click.UsageError(f"--values must be integers >= 0, got {values!r}")
+    figures = _compare_runs({f"j_max={j}": [f"rl.j_max={j}"] for j in js}, config_path, overrides, out, 0)
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+        console.print(f"figures written to {json_path}")
 
 
 @bench.command("migration")

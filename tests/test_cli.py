@@ -186,3 +186,21 @@ def test_placement_tables_from_benchmark_json(tmp_path):
     notjson.write_text(json.dumps({"workload": "w"}))
     p = invoke("bench", "placement-tables", str(notjson))
     assert p.returncode == 2 and "not a placement benchmark JSON" in p.stderr
+
+
+def test_bench_jmax_runs_each_value_with_the_same_seeds(tmp_path, tiny_overrides):
+    args = [a for o in tiny_overrides + ["rl.steps=1", "rl.staleness=0"] for a in ("--set", o)]
+    out = tmp_path / "jmax.json"
+    p = subprocess.run([sys.executable, "-m", "gyreflow.cli", "bench", "jmax", *args, "--values", "1,0",
+                        "--out", str(tmp_path / "runs"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    fig = json.loads(out.read_text())
+    assert list(fig) == ["j_max=1", "j_max=0"] and fig["j_max=1"]["overrides"] == ["rl.j_max=1"]
+    # The same SFT policy and the same held-out tasks: the first held-out pass rate is shared.
+    assert fig["j_max=1"]["heldout_pass_rate"][0] == fig["j_max=0"]["heldout_pass_rate"][0]
+    for arm in fig.values():
+        assert len(arm["heldout_pass_rate"]) == 2 and arm["rl_wall_s"] > 0 and arm["train_s"] >= 0
+    bad = subprocess.run([sys.executable, "-m", "gyreflow.cli", "bench", "jmax", "--values", "1,x"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and "--values must be comma-separated integers, got '1,x'" in bad.stderr
