@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gyreflow.trajectory.records import CallRecord
+from gyreflow.trajectory.records import CallRecord, ExecutionResult
 from gyreflow.trajectory.tree import build_tree
 
 _EMPTY = np.zeros(0, np.int32)
@@ -32,8 +32,6 @@ class CallTree:
     @classmethod
     def of(cls, calls: list[CallRecord]) -> CallTree:
         """The tree of ``calls`` (in the given order)."""
-        from gyreflow.trajectory.records import ExecutionResult  # a tree needs only the calls
-
         tree = build_tree(ExecutionResult("storage", "", 0, 0, "train", list(calls), 0.0, False, "done"))
         tokens, offsets, parent = tree.tokens, tree.node_offsets, tree.node_parent
         first = {(int(parent[i]), int(tokens[offsets[i]])): i for i in range(len(parent))}
