@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gyreflow.bench.trajectories import call_arrays
 from gyreflow.storage import ArchiveReader, commit_step, create_archive, write_execution
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
 
@@ -87,18 +88,6 @@ def make_executions(
                 end_reason="done",
             )
         )
-    return out
-
-
-def call_arrays(r: ExecutionResult) -> dict[str, np.ndarray]:
-    """Every call's prompt and completion (with log-probs and versions), concatenated, with offsets."""
-    out = {}
-    for name, attr, dtype in (("prompt", "prompt_ids", np.int32), ("completion", "completion_ids", np.int32)):
-        parts = [getattr(c, attr) for c in r.calls]
-        out[f"{name}_tokens"] = np.concatenate(parts).astype(dtype)
-        out[f"{name}_offsets"] = np.concatenate([[0], np.cumsum([len(a) for a in parts])]).astype(np.int64)
-    out["logprobs"] = np.concatenate([c.logprobs for c in r.calls])
-    out["versions"] = np.concatenate([c.versions for c in r.calls])
     return out
 
 

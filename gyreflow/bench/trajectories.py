@@ -101,9 +101,22 @@ def agent_execution(rng: np.random.Generator, execution_id: str, calls: int = 40
     return ExecutionResult(execution_id, "bench", 0, 0, "train", out, 1.0, True, "done")
 
 
+def call_arrays(r: ExecutionResult) -> dict[str, np.ndarray]:
+    """An execution's calls as one would save them without the tree: every call's prompt and
+    completion concatenated (with ``n + 1`` offsets), log-probs and versions."""
+    out = {}
+    for name, attr in (("prompt", "prompt_ids"), ("completion", "completion_ids")):
+        parts = [getattr(c, attr) for c in r.calls]
+        out[f"{name}_tokens"] = np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+        out[f"{name}_offsets"] = np.concatenate([[0], np.cumsum([len(a) for a in parts])]).astype(np.int64)
+    out["logprobs"] = np.concatenate([c.logprobs for c in r.calls]) if r.calls else np.zeros(0, np.float32)
+    out["versions"] = np.concatenate([c.versions for c in r.calls]) if r.calls else np.zeros(0, np.int32)
+    return out
+
+
 def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
     """Stored tokens and archive write/read time against ``numpy.save``/``load`` of the same calls
-    (every call's prompt and completion arrays, what one would save without the tree), and of the
+    (:func:`call_arrays`: what one would save without the tree), and of the
     same stored arrays (the archive's own bytes, so only zarr's overhead differs); interleaved."""
     import shutil
     import tempfile
@@ -111,9 +124,7 @@ def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
     from gyreflow.storage import ArchiveReader, commit_step, create_archive, write_execution
     from gyreflow.storage.writer import execution_arrays
 
-    flat = [{f"{k}.{name}": a for k, c in enumerate(r.calls)
-             for name, a in (("prompt", c.prompt_ids), ("completion", c.completion_ids),
-                             ("logprobs", c.logprobs), ("versions", c.versions))} for r in executions]
+    flat = [call_arrays(r) for r in executions]
     stored = [{n: a for n, a in execution_arrays(r).items() if n != "call_meta"} for r in executions]
     logical = sum(len(c.prompt_ids) + len(c.completion_ids) for r in executions for c in r.calls)
     tree_tokens = sum(len(a["tokens"]) for a in stored)
