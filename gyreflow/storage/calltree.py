@@ -33,21 +33,10 @@ class CallTree:
     def of(cls, calls: list[CallRecord]) -> CallTree:
         """The tree of ``calls`` (in the given order)."""
         tree = build_tree(ExecutionResult("storage", "", 0, 0, "train", list(calls), 0.0, False, "done"))
-        tokens, offsets, parent = tree.tokens, tree.node_offsets, tree.node_parent
-        first = {(int(parent[i]), int(tokens[offsets[i]])): i for i in range(len(parent))}
-        nodes = np.full(len(calls), -1, np.int32)
-        for k, call in enumerate(calls):
-            seq = np.concatenate([call.prompt_ids, call.completion_ids])
-            node, pos = -1, 0
-            while pos < len(seq):
-                node = first[(node, int(seq[pos]))]
-                a, b = int(offsets[node]), int(offsets[node + 1])
-                m = min(b - a, len(seq) - pos)
-                if not np.array_equal(tokens[a : a + m], seq[pos : pos + m]):  # the tree holds every call
-                    raise AssertionError(f"call {call.call_id}: not found in its execution's tree")
-                pos += m
-            nodes[k] = node
-        return cls(tokens, offsets, parent, nodes,
+        order = sorted(range(len(calls)), key=lambda k: calls[k].call_index)  # build_tree's (stable) order
+        nodes = np.empty(len(calls), np.int32)
+        nodes[order] = tree.call_node
+        return cls(tree.tokens, tree.node_offsets, tree.node_parent, nodes,
                    np.array([len(c.prompt_ids) for c in calls], np.int64),
                    np.array([len(c.completion_ids) for c in calls], np.int64))
 

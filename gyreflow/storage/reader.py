@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync
 
-from gyreflow.storage import schema
+from gyreflow.storage import files, schema
 from gyreflow.storage.calltree import CallTree
 from gyreflow.storage.writer import PathLike, open_root
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
@@ -131,7 +132,12 @@ class ArchiveReader:
                 f"execution {execution_id!r} is not in committed step {step} of {self.path!r}"
             )
         path = schema.execution_path(step, execution_id)
-        attrs, arrays = sync(_read_group(self.path, path))
+        try:
+            attrs, arrays = files.read_group(Path(self.path), path)
+        except FileNotFoundError:
+            raise ValueError(f"execution group {self.path}:{path} is missing from committed step {step}") from None
+        if arrays is None:  # another layout (version 1): through zarr
+            attrs, arrays = sync(_read_group(self.path, path))
         return _to_result(attrs, arrays, where=f"{self.path}:{path}")
 
     def iter_executions(

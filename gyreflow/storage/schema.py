@@ -79,7 +79,7 @@ def codecs(data_type: str) -> list[dict[str, Any]]:
 
 
 def encode_chunk(name: str, data: np.ndarray) -> bytes:
-    """The one chunk of an execution array (at most ``CHUNK_ELEMENTS`` long), encoded with the
+    """One chunk of an execution array (``CHUNK_ELEMENTS`` long, or the whole array), encoded with the
     codec chain of :func:`codecs`: the bytes zarr itself would store for it (a test compares them).
 
     Execution arrays are written chunk by chunk through the store rather than through zarr's array
@@ -94,6 +94,49 @@ def encode_chunk(name: str, data: np.ndarray) -> bytes:
     raw = np.ascontiguousarray(data, dtype=np.dtype(data_type).newbyteorder("<"))
     blosc = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, blocksize=0, typesize=_ITEMSIZE[data_type])
     return bytes(blosc.encode(raw.view(np.uint8)))
+
+
+def chunks(name: str, data: np.ndarray) -> list[bytes]:
+    """The encoded chunks of execution array ``name`` holding ``data``, in order.
+
+    The regular chunk grid stores an edge chunk at full size, so the last one is padded with the
+    array's fill value (zarr reads a shorter one as damaged).
+    """
+    out = []
+    data_type, _, fill = TREE_ARRAYS[name]
+    size = max(1, min(len(data), CHUNK_ELEMENTS))
+    for start in range(0, len(data), size):
+        part = data[start : start + size]
+        if len(part) < size:
+            pad = np.full(size - len(part), "" if data_type == "string" else float(fill) if fill == "NaN" else fill,
+                          dtype=part.dtype)
+            part = np.concatenate([part, pad])
+        out.append(encode_chunk(name, part))
+    return out
+
+
+def decode_chunk(name: str, data: bytes, length: int, where: str) -> np.ndarray:
+    """The inverse of :func:`encode_chunk`: ``length`` elements of array ``name``.
+
+    Raises
+    ------
+    ValueError
+        If the bytes do not decode to ``length`` elements (a damaged chunk, named by ``where``).
+    """
+    from numcodecs import Blosc, VLenUTF8, Zstd
+
+    data_type = TREE_ARRAYS[name][0]
+    try:
+        if data_type == "string":
+            out = VLenUTF8().decode(Zstd().decode(data))
+        else:
+            out = np.frombuffer(Blosc().decode(data), dtype=np.dtype(data_type).newbyteorder("<"))
+    except Exception as err:  # numcodecs raises several kinds on bad bytes
+        raise ValueError(f"chunk {where!r} does not decode: {err}") from None
+    if len(out) < length:
+        raise ValueError(f"chunk {where!r} holds {len(out)} elements, its array says {length}")
+    out = out[:length]  # an edge chunk is padded to full size
+    return out if data_type == "string" else out.astype(data_type, copy=False)
 
 
 def array_metadata(name: str, length: int) -> dict[str, Any]:

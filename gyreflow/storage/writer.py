@@ -12,8 +12,6 @@ once:
 
 from __future__ import annotations
 
-import asyncio
-import json
 import datetime as _dt
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,11 +19,8 @@ from typing import Any
 
 import numpy as np
 import zarr
-import zarr.api.asynchronous
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
 
-from gyreflow.storage import schema
+from gyreflow.storage import files, schema
 from gyreflow.storage.calltree import CallTree
 from gyreflow.trajectory.records import ExecutionResult
 
@@ -42,15 +37,8 @@ def _exists(path: PathLike) -> bool:
     return p.exists() and (not p.is_dir() or any(p.iterdir()))
 
 
-def open_root(path: PathLike, mode: str = "r") -> zarr.Group:
-    """Open an archive's root group and check that it is a gyreflow archive we can read.
-
-    Parameters
-    ----------
-    path
-        The ``archive.zarr`` directory.
-    mode
-        ``"r"`` or ``"r+"``; the store must already exist.
+def root_attributes(path: PathLike) -> dict[str, Any]:
+    """The root attributes of a gyreflow archive we can read, from its ``zarr.json``.
 
     Raises
     ------
@@ -63,30 +51,46 @@ def open_root(path: PathLike, mode: str = "r") -> zarr.Group:
     if not Path(path).exists():
         raise FileNotFoundError(f"no gyreflow archive at {str(path)!r}: path does not exist")
     try:
-        root = zarr.open_group(str(path), mode=mode)
-    except (FileNotFoundError, ValueError, TypeError) as e:  # zarr raises several kinds
-        raise ValueError(f"{str(path)!r} is not a zarr v3 group, so not a gyreflow archive") from e
-    version = root.attrs.get(schema.ROOT_MARKER)
+        doc = files.read_json(Path(path) / files.ZARR_JSON)
+    except (FileNotFoundError, IsADirectoryError, ValueError):
+        doc = {}
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise ValueError(f"{str(path)!r} is not a zarr v3 group, so not a gyreflow archive")
+    attrs = doc.get("attributes") or {}
+    version = attrs.get(schema.ROOT_MARKER)
     if version is None:
         raise ValueError(
             f"{str(path)!r} is a zarr group without the {schema.ROOT_MARKER!r} attribute, "
             "so not a gyreflow archive"
         )
-    if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version > schema.SCHEMA_VERSION:
         raise ValueError(
             f"{str(path)!r} has archive schema version {version!r}; this gyreflow reads "
             f"versions up to {schema.SCHEMA_VERSION}: upgrade gyreflow"
         )
-    return root
+    return attrs
 
 
-def _step_attrs(root: zarr.Group, step: int) -> dict[str, Any] | None:
-    """Attributes of a step group, or ``None`` if the group does not exist."""
+def open_root(path: PathLike, mode: str = "r") -> zarr.Group:
+    """Open an archive's root group and check that it is a gyreflow archive we can read.
+
+    Parameters
+    ----------
+    path
+        The ``archive.zarr`` directory.
+    mode
+        ``"r"`` or ``"r+"``; the store must already exist.
+
+    Raises
+    ------
+    FileNotFoundError, ValueError
+        As :func:`root_attributes`.
+    """
+    root_attributes(path)
     try:
-        group = root[schema.step_path(step)]
-    except KeyError:
-        return None
-    return dict(group.attrs)
+        return zarr.open_group(str(path), mode=mode)
+    except (FileNotFoundError, ValueError, TypeError) as e:  # zarr raises several kinds
+        raise ValueError(f"{str(path)!r} is not a zarr v3 group, so not a gyreflow archive") from e
 
 
 def _flatten(arrays: list[np.ndarray], dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -96,44 +100,6 @@ def _flatten(arrays: list[np.ndarray], dtype: str) -> tuple[np.ndarray, np.ndarr
     np.cumsum(lengths, out=offsets[1:])
     flat = np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
     return flat, offsets
-
-
-async def _write_group(
-    root_path: str, group_path: str, arrays: dict[str, np.ndarray], attrs: dict[str, Any]
-) -> None:
-    """Write an execution group with all its arrays, then set its final attributes.
-
-    Documents and chunks go straight to the store, concurrently: the array documents are exactly
-    ``schema.array_metadata`` and the chunks ``schema.encode_chunk`` (zarr's own bytes), at a
-    fraction of the cost of zarr's per-array creation and write path. What a previous attempt left
-    is deleted first.
-    """
-    store = (await zarr.api.asynchronous.open_group(store=root_path, mode="r+")).store
-    proto = default_buffer_prototype().buffer
-
-    def doc(meta: dict) -> Any:
-        return proto.from_bytes(json.dumps(meta, allow_nan=True).encode())
-
-    def group_doc(attributes: dict) -> Any:
-        return doc({"zarr_format": 3, "node_type": "group", "attributes": attributes})
-
-    # Parents (the step and its executions group) as empty groups where missing: writers racing
-    # on one write identical bytes.
-    parents = [group_path.rsplit("/", k)[0] for k in (2, 1)]
-    missing = [p for p in parents if not await store.exists(f"{p}/zarr.json")]
-    await asyncio.gather(*(store.set(f"{p}/zarr.json", group_doc({})) for p in missing))
-    await store.delete_dir(group_path)
-    writes = [store.set(f"{group_path}/zarr.json",
-                        group_doc({schema.EXECUTION_MARKER: schema.SCHEMA_VERSION, "complete": False}))]
-    for name, data in arrays.items():
-        writes.append(store.set(f"{group_path}/{name}/zarr.json", doc(schema.array_metadata(name, len(data)))))
-        for i, start in enumerate(range(0, len(data), schema.CHUNK_ELEMENTS)):
-            chunk = schema.encode_chunk(name, data[start : start + schema.CHUNK_ELEMENTS])
-            writes.append(store.set(f"{group_path}/{name}/c/{i}", proto.from_bytes(chunk)))
-    await asyncio.gather(*writes)
-    # Last: zarr.json is replaced atomically (temp file + rename), so a reader sees either the
-    # incomplete or the complete group, never a torn one.
-    await store.set(f"{group_path}/zarr.json", group_doc(attrs))
 
 
 def execution_arrays(result: ExecutionResult) -> dict[str, np.ndarray]:
@@ -200,14 +166,14 @@ def write_execution(archive_path: PathLike, result: ExecutionResult) -> dict[str
         gyreflow archive, or the execution id is not a valid group name.
     """
     path = schema.execution_path(result.step, result.execution_id)
-    root = open_root(archive_path, mode="r+")
-    if root.attrs[schema.ROOT_MARKER] < schema.SCHEMA_VERSION:
+    version = root_attributes(archive_path)[schema.ROOT_MARKER]
+    if version < schema.SCHEMA_VERSION:
         raise ValueError(
-            f"{str(archive_path)!r} has archive schema version {root.attrs[schema.ROOT_MARKER]}; open it "
+            f"{str(archive_path)!r} has archive schema version {version}; open it "
             f"with ArchiveWriter (which upgrades it to {schema.SCHEMA_VERSION}) before writing into it"
         )
-    attrs = _step_attrs(root, result.step)
-    if attrs is not None and attrs.get("committed"):
+    step_doc = Path(archive_path) / schema.step_path(result.step) / files.ZARR_JSON
+    if step_doc.exists() and files.read_json(step_doc).get("attributes", {}).get("committed"):
         raise ValueError(
             f"step {result.step} of {str(archive_path)!r} is committed; "
             f"refusing to write execution {result.execution_id!r} into it"
@@ -237,7 +203,7 @@ def write_execution(archive_path: PathLike, result: ExecutionResult) -> dict[str
             "complete": True,
         }
     )
-    sync(_write_group(str(archive_path), path, arrays, meta))
+    files.write_group(Path(archive_path), path, arrays, meta)
     return schema.to_json(summary)
 
 

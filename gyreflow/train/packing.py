@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from gyreflow.model.chat import PAD_ID
+from gyreflow.train.attention import SegmentLayout, layout
 
 
 @dataclass
@@ -24,7 +25,8 @@ class MicroBatch:
     sample of one (the same token, with that sample's own behaviour data)."""
 
     input_ids: torch.Tensor  # (B, L) int64
-    attention_mask: torch.Tensor  # (B, L) int64 for causal rows, or (B, 1, L, L) bool when a row is a tree
+    segments: SegmentLayout
+    """Which tokens attend to which (see :mod:`gyreflow.train.attention`)."""
     position_ids: torch.Tensor  # (B, L) int64
     rows: torch.Tensor  # (N,) int64, sequence of each sample
     cols: torch.Tensor  # (N,) int64, position whose logits predict the sample (the token before it)
@@ -57,12 +59,10 @@ class PathSample:
     extra_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,)
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,)
     extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,)
-    # A tree layout (None: a causal chain): each token's position (its depth), the index of the token
-    # before it on its path (-1 for a root), its node, and which nodes are ancestors-or-self of which.
+    # A tree layout (None: a causal chain): each token's position (its depth) and the index of the
+    # token before it on its path (-1 for a root); nodes are in pre-order, so prev[i] < i.
     positions: np.ndarray | None = None  # (L,) int64
     prev: np.ndarray | None = None  # (L,) int64
-    node_of: np.ndarray | None = None  # (L,) int32
-    ancestors: np.ndarray | None = None  # (K, K) bool, [a, b]: node b is an ancestor of node a, or a itself
 
     @classmethod
     def of(cls, path, advantage: float, weight: float = 1.0) -> PathSample:
@@ -76,7 +76,7 @@ class PathSample:
         p = tree.packed(leaves)
         return cls(p["tokens"], p["trained"], p["logprobs"], p["versions"], float(advantage), p["temperatures"],
                    float(weight), p["extra_pos"], p["extra_logprobs"], p["extra_versions"], p["extra_temperatures"],
-                   p["positions"], p["prev"], p["node_of"], p["ancestors"])
+                   p["positions"], p["prev"])
 
     @property
     def is_tree(self) -> bool:
@@ -86,16 +86,6 @@ class PathSample:
     def n_trained(self) -> int:
         """Loss terms: trained tokens plus their further samples."""
         return int(self.trained.sum()) + len(self.extra_pos)
-
-    def attention(self) -> np.ndarray:
-        """``(L, L)`` bool: which tokens each token attends to."""
-        n = len(self.tokens)
-        causal = np.tri(n, dtype=np.bool_)
-        if not self.is_tree:
-            return causal
-        node = self.node_of.astype(np.int64)
-        same = node[:, None] == node[None, :]
-        return self.ancestors[node[:, None], node[None, :]] & (~same | causal)
 
 
 def pack(samples: list[PathSample], max_tokens: int, min_version: int | None = None) -> list[MicroBatch]:
@@ -116,24 +106,16 @@ def pack(samples: list[PathSample], max_tokens: int, min_version: int | None = N
 
 def _collate(samples: list[PathSample], min_version: int | None = None) -> MicroBatch:
     B, L = len(samples), max(len(s.tokens) for s in samples)
-    trees = any(s.is_tree for s in samples)
     ids = np.full((B, L), PAD_ID, np.int64)
     positions = np.zeros((B, L), np.int64)
-    if trees:
-        attn = np.zeros((B, 1, L, L), np.bool_)
-        attn[:, 0] = np.eye(L, dtype=np.bool_)  # padding attends to itself: no empty softmax row
-    else:
-        attn = np.zeros((B, L), np.int64)
+    prevs = []
     parts: list[tuple[np.ndarray, ...]] = []  # per sequence: rows, cols, targets, old, adv, temperature, version, weight
     for b, s in enumerate(samples):
         n = len(s.tokens)
         ids[b, :n] = s.tokens
         positions[b, :n] = np.arange(n) if s.positions is None else s.positions
-        if trees:
-            attn[b, 0, :n, :n] = s.attention()
-        else:
-            attn[b, :n] = 1
         prev = np.arange(n, dtype=np.int64) - 1 if s.prev is None else s.prev.astype(np.int64)
+        prevs.append(prev)
         temps = np.ones(n, np.float32) if s.temperatures is None else s.temperatures
         pos = np.concatenate([np.flatnonzero(s.trained), s.extra_pos]).astype(np.int64)
         old = np.concatenate([s.logprobs[s.trained], s.extra_logprobs])
@@ -151,7 +133,7 @@ def _collate(samples: list[PathSample], min_version: int | None = None) -> Micro
 
     return MicroBatch(
         input_ids=torch.from_numpy(ids),
-        attention_mask=torch.from_numpy(attn),
+        segments=layout(prevs),
         position_ids=torch.from_numpy(positions),
         rows=cat(0, np.int64),
         cols=cat(1, np.int64),

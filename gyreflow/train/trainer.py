@@ -14,6 +14,7 @@ import torch
 
 from gyreflow.algo.registry import LOSSES
 from gyreflow.model.policy import state_dict_numpy
+from gyreflow.train.attention import use_segment_attention
 from gyreflow.train.packing import MicroBatch, PathSample, pack
 from gyreflow.train.reduce import GradientShare
 
@@ -39,8 +40,8 @@ class OptimConfig:
 def sample_logprobs(model, mb: MicroBatch) -> torch.Tensor:
     """Log-prob of each of the micro-batch's samples under ``model``, at the temperature it was
     drawn at: (N,)."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                   position_ids=mb.position_ids).logits  # (B, L, V)
+    logits = use_segment_attention(model)(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                          segments=mb.segments, use_cache=False).logits  # (B, L, V)
     z = logits[mb.rows, mb.cols].float() / mb.temperatures[:, None]  # (N, V)
     return torch.log_softmax(z, dim=-1).gather(-1, mb.target_ids[:, None]).squeeze(-1)  # (N,)
 

@@ -53,6 +53,7 @@ _OPTIONAL_DTYPES: dict[str, type] = {
     "extra_logprobs": np.float32,
     "extra_versions": np.int32,
     "extra_temperatures": np.float32,
+    "call_node": np.int32,
 }
 
 
@@ -108,7 +109,7 @@ _SAMPLE_FIELDS = ("logprob", "version", "temperature")
 class _Node:
     """A mutable trie node used while building: a run of tokens in a growable record buffer."""
 
-    __slots__ = ("buf", "n", "children", "role", "call", "extras")
+    __slots__ = ("buf", "n", "children", "role", "call", "extras", "ends")
 
     def __init__(self, run: np.ndarray, role: str, call: int) -> None:
         self.buf = run.copy()  # (n,) _TOKEN
@@ -119,6 +120,8 @@ class _Node:
         self.call = call
         # Further samples of tokens already sampled here: (position in the node, the sample's record).
         self.extras: list[tuple[int, np.void]] = []
+        # Calls whose sequence ends here: (the call's position in insertion order, tokens of this node up to its end).
+        self.ends: list[tuple[int, int]] = []
 
     @property
     def run(self) -> np.ndarray:
@@ -154,6 +157,8 @@ class _Node:
         tail.children = self.children
         tail.extras = [(i - k, r) for i, r in self.extras if i >= k]
         self.extras = [e for e in self.extras if e[0] < k]
+        tail.ends = [(c, o - k) for c, o in self.ends if o > k]
+        self.ends = [e for e in self.ends if e[1] <= k]
         # Copy the head too, so a long node's buffer is not kept alive at full capacity.
         self.buf = self.run[:k].copy()
         self.n = k
@@ -167,19 +172,22 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return i if neq[i] else len(a)
 
 
-def _call_run(call: CallRecord) -> np.ndarray:
-    """A call's sequence as token records: completion tokens are samples when the call's settings
-    let the trainer score them (:attr:`CallRecord.trained_as_sample`), context otherwise."""
+def _call_run(call: CallRecord, start: int = 0) -> np.ndarray:
+    """A call's sequence from ``start`` on as token records: completion tokens are samples when the
+    call's settings let the trainer score them (:attr:`CallRecord.trained_as_sample`), context
+    otherwise."""
     p, c = len(call.prompt_ids), len(call.completion_ids)
-    run = np.zeros(p + c, dtype=_TOKEN)
-    run["token"][:p], run["token"][p:] = call.prompt_ids, call.completion_ids
+    cut = min(start, p)
+    run = np.zeros(p + c - start, dtype=_TOKEN)
+    run["token"][: p - cut], run["token"][p - cut :] = call.prompt_ids[cut:], call.completion_ids[start - cut :]
     run["version"] = -1
     run["temperature"] = 1.0
     if call.trained_as_sample:
-        run["sampled"][p:] = True
-        run["logprob"][p:] = call.logprobs
-        run["version"][p:] = call.versions
-        run["temperature"][p:] = call.temperature
+        done = start - cut  # completion tokens before ``start``
+        run["sampled"][p - cut :] = True
+        run["logprob"][p - cut :] = call.logprobs[done:]
+        run["version"][p - cut :] = call.versions[done:]
+        run["temperature"][p - cut :] = call.temperature
     return run
 
 
@@ -188,12 +196,29 @@ class _TrieBuilder:
 
     def __init__(self) -> None:
         self.root: dict[int, _Node] = {}
+        self.calls = 0
+        # The last call's sequence when it ended at the end of a node: an agent's next prompt
+        # usually extends it, and then the descent starts there instead of at the root.
+        self._tail: tuple[_Node, np.ndarray] | None = None
+        self._sequence = _EMPTY_I32  # the call being inserted, prompt then completion
+
+    def _ended(self, node: _Node | None, offset: int) -> None:
+        if node is not None:
+            node.ends.append((self.calls, offset))
+        self._tail = (node, self._sequence) if node is not None and offset == node.n else None
+        self.calls += 1
 
     def insert(self, call: CallRecord, role: str) -> None:
-        seq = _call_run(call)
+        self._sequence = np.concatenate([call.prompt_ids, call.completion_ids])
+        children, parent, base = self.root, None, 0
+        if self._tail is not None:
+            node, prev = self._tail
+            # Only over prompt tokens: they mark nothing sampled, so skipping them changes nothing.
+            if len(prev) <= len(call.prompt_ids) and np.array_equal(call.prompt_ids[: len(prev)], prev):
+                children, parent, base = node.children, node, len(prev)
+        seq = _call_run(call, base)  # records of the sequence from ``base`` on; positions below are relative
         tokens = seq["token"]
-        total = len(seq)
-        children, parent, pos = self.root, None, 0
+        total, pos = len(seq), 0
         while pos < total:
             child = children.get(int(tokens[pos]))
             if child is None:
@@ -201,9 +226,9 @@ class _TrieBuilder:
                     # Continues a leaf: grow it rather than hang a single child under it.
                     parent.extend(seq[pos:])
                     parent.role, parent.call = role, call.call_index
-                else:
-                    children[int(tokens[pos])] = _Node(seq[pos:], role, call.call_index)
-                return
+                    return self._ended(parent, parent.n)
+                node = children[int(tokens[pos])] = _Node(seq[pos:], role, call.call_index)
+                return self._ended(node, node.n)
             m = min(child.n, total - pos)
             k = _lcp(child.buf["token"][:m], tokens[pos : pos + m])
             child.mark_sampled(seq[pos : pos + k])
@@ -211,9 +236,11 @@ class _TrieBuilder:
                 if pos + k < total:
                     # Diverges inside the node: branch at the longest common prefix.
                     child.split(k)
-                    child.children[int(tokens[pos + k])] = _Node(seq[pos + k :], role, call.call_index)
-                return  # else: a prefix of what is there, nothing new
+                    node = child.children[int(tokens[pos + k])] = _Node(seq[pos + k :], role, call.call_index)
+                    return self._ended(node, node.n)
+                return self._ended(child, k)  # a prefix of what is there, nothing new
             children, parent, pos = child.children, child, pos + k
+        self._ended(parent, 0 if parent is None else parent.n)
 
 
 @dataclass(eq=False)  # array fields: identity, not element-wise, equality
@@ -246,6 +273,8 @@ class TrajectoryTree:
     extra_versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (E,) int32
     extra_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (E,) float32
     temperatures: np.ndarray | None = None  # (U,) float32, sampling temperature; 1 where not sampled
+    call_node: np.ndarray | None = None  # (n_calls,) int32, node holding each call's last token (-1: empty call)
+    """In ``call_index`` order; None for a tree read back from arrays that predate it."""
     dropped: bool = False
     """The execution is a placeholder for one the system failed (see :mod:`~gyreflow.trajectory.records`)."""
 
@@ -266,6 +295,11 @@ class TrajectoryTree:
             raise ValueError("node_parent must point to an earlier node (pre-order)")
         if n and (self.node_role.min() < 0 or self.node_role.max() >= len(self.roles)):
             raise ValueError("node_role out of range of roles")
+        if self.call_node is not None and (
+            len(self.call_node) != self.n_calls or len(self.call_node) and
+            (self.call_node.min() < -1 or self.call_node.max() >= n)
+        ):
+            raise ValueError("call_node must hold one node (or -1) per call")
         e = len(self.extra_index)
         if any(len(a) != e for a in (self.extra_logprobs, self.extra_versions, self.extra_temperatures)):
             raise ValueError("extra sample arrays differ in length")
@@ -394,7 +428,7 @@ class TrajectoryTree:
         one of the paths), with its extra samples. Returns the arrays of a tree-layout
         :class:`~gyreflow.train.packing.PathSample`: ``tokens``, ``trained``, ``logprobs``,
         ``versions``, ``temperatures``, ``positions`` (depth), ``prev`` (the token before each one
-        on its path, -1 at a root), ``node_of``, ``ancestors`` (K, K) and the ``extra_*`` arrays.
+        on its path, -1 at a root) and the ``extra_*`` arrays.
         """
         order = list(range(self.n_leaves)) if leaves is None else [int(x) for x in leaves]
         covered = sorted({n for leaf in order for n in self._node_path(int(self._leaves[leaf]))})  # pre-order
@@ -404,14 +438,12 @@ class TrajectoryTree:
         sizes = np.array([sp.stop - sp.start for sp in spans], dtype=np.int64)
         start = np.concatenate([[0], np.cumsum(sizes)])[:-1]  # (K,) first index of each node in the pack
         depth = np.zeros(K, dtype=np.int64)  # (K,) depth of each node's first token
-        ancestors = np.eye(K, dtype=np.bool_)
         prev_first = np.full(K, -1, dtype=np.int64)  # (K,) the token before each node's first one
         for i, n in enumerate(covered):
             p = int(self.node_parent[n])
             if p >= 0:
                 j = local[p]
                 depth[i] = depth[j] + sizes[j]
-                ancestors[i] |= ancestors[j]
                 prev_first[i] = start[j] + sizes[j] - 1
         idx = np.concatenate([np.arange(sp.start, sp.stop) for sp in spans]) if K else np.zeros(0, np.int64)
         node_of = np.repeat(np.arange(K, dtype=np.int32), sizes)
@@ -423,7 +455,7 @@ class TrajectoryTree:
         return {
             "tokens": self.tokens[idx], "trained": self.sampled[idx].copy(), "logprobs": self.logprobs[idx],
             "versions": self.versions[idx], "temperatures": self.temperatures[idx],
-            "positions": depth[node_of] + within, "prev": prev, "node_of": node_of, "ancestors": ancestors,
+            "positions": depth[node_of] + within, "prev": prev,
             "extra_pos": pos_in_pack[self.extra_index[e]], "extra_logprobs": self.extra_logprobs[e],
             "extra_versions": self.extra_versions[e], "extra_temperatures": self.extra_temperatures[e],
         }
@@ -468,13 +500,14 @@ class TrajectoryTree:
         arrays
             ``tokens``, ``sampled``, ``logprobs``, ``versions`` (U,); ``node_offsets``
             (n_nodes + 1,); ``node_parent``, ``node_role``, ``node_call`` (n_nodes,);
-            ``extra_index``, ``extra_logprobs``, ``extra_versions`` (E,).
+            ``extra_index``, ``extra_logprobs``, ``extra_versions`` (E,); ``call_node`` (n_calls,).
         meta
             ``execution_id``, ``task_id``, ``reward``, ``total_tokens``, ``n_calls``, ``roles``.
         """
         arrays = {
             name: np.asarray(getattr(self, name), dtype=dt)
             for name, dt in (_ARRAY_DTYPES | _OPTIONAL_DTYPES).items()
+            if getattr(self, name) is not None
         }
         meta = {
             "execution_id": self.execution_id,
@@ -508,8 +541,10 @@ class TrajectoryTree:
         )
 
 
-def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
+def _flatten(builder: _TrieBuilder) -> dict[str, np.ndarray | list[str]]:
     """Pre-order flat arrays of a built trie."""
+    root = builder.root
+    call_node = np.full(builder.calls, -1, np.int32)
     roles: dict[str, int] = {}
     runs: list[np.ndarray] = []
     parent: list[int] = []
@@ -531,6 +566,8 @@ def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
         parent.append(par)
         role.append(roles.setdefault(node.role, len(roles)))
         call.append(node.call)
+        for c, _ in node.ends:
+            call_node[c] = idx
         stack.extend((c, idx) for c in reversed(node.children.values()))
     flat = np.concatenate(runs) if runs else np.zeros(0, dtype=_TOKEN)
     offsets = np.zeros(len(runs) + 1, dtype=np.int64)
@@ -547,6 +584,7 @@ def _flatten(root: dict[int, _Node]) -> dict[str, np.ndarray | list[str]]:
         "node_parent": np.asarray(parent, dtype=np.int32),
         "node_role": np.asarray(role, dtype=np.int32),
         "node_call": np.asarray(call, dtype=np.int32),
+        "call_node": call_node,
         "roles": list(roles),
         "extra_index": np.asarray(extra_at, dtype=np.int64)[order],
         "extra_logprobs": extras["logprob"].copy(),
@@ -559,7 +597,7 @@ def _trie(calls: list[CallRecord], roles: list[str]) -> dict[str, np.ndarray | l
     builder = _TrieBuilder()
     for call, role in zip(calls, roles):
         builder.insert(call, role)
-    return _flatten(builder.root)
+    return _flatten(builder)
 
 
 def build_tree(result: ExecutionResult) -> TrajectoryTree:
