@@ -122,6 +122,7 @@ def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
     import tempfile
 
     from gyreflow.storage import ArchiveReader, commit_step, create_archive, write_execution
+    from gyreflow.storage.calltree import CallTree
     from gyreflow.storage.writer import execution_arrays
 
     flat = [call_arrays(r) for r in executions]
@@ -129,7 +130,7 @@ def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
     logical = sum(len(c.prompt_ids) + len(c.completion_ids) for r in executions for c in r.calls)
     tree_tokens = sum(len(a["tokens"]) for a in stored)
     runs: dict[str, list[float]] = {k: [] for k in ("archive_write", "archive_read", "numpy_write", "numpy_read",
-                                                     "stored_write", "stored_read")}
+                                                     "stored_write", "stored_read", "tree_build")}
     scratch = Path(tempfile.mkdtemp(prefix="gyreflow-trajectories-"))
     try:
         for i in range(repeats):
@@ -165,6 +166,8 @@ def archive_io(executions: list[ExecutionResult], repeats: int) -> dict:
                 runs[f"{label}_read"].append(_timed(read_numpy))
             runs["archive_write"].append(_timed(write_archive))
             runs["archive_read"].append(_timed(read_archive))
+            # The part of the write that builds the trees (what the write costs beyond file I/O).
+            runs["tree_build"].append(_timed(lambda: [CallTree.of(r.calls) for r in executions]))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ratio = lambda base, phase: _stats([b / a for a, b in zip(runs[f"archive_{phase}"], runs[f"{base}_{phase}"])])
@@ -260,7 +263,8 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
     trainer = Trainer(build_policy(ModelConfig(), seed=seed), OptimConfig(micro_batch_tokens=1 << 30))
     trees = [build_tree(branching_execution(rng, f"e{i}", path_tokens, shared, branches)) for i in range(executions)]
     per_path, tree_packed = _samples(trees, 0, packed=False), _samples(trees, 0, packed=True)
-    _fwd_bwd_s(trainer, tree_packed[:1])  # warm-up
+    _fwd_bwd_s(trainer, per_path)  # warm-up: both arms' buffers allocated before timing
+    _fwd_bwd_s(trainer, tree_packed)
     t_path, t_tree = [], []
     for _ in range(repeats):
         t_path.append(_fwd_bwd_s(trainer, per_path))
