@@ -34,6 +34,7 @@ from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.reduce import GradientShare, msg_to_share
 from gyreflow.train.trainer import Trainer
 from gyreflow.trajectory.records import ExecutionResult, record_problems
+from gyreflow.trajectory.group import group_tree
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
 logger = logging.getLogger("gyreflow")
@@ -158,10 +159,6 @@ def make_tree(result: ExecutionResult, vocab_size: int | None = None,
     return build_tree(result)
 
 
-# A tree packed as one sequence carries an (L, L) attention mask: longer ones train path by path.
-TREE_PACK_MAX_TOKENS = 4096
-
-
 def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0,
                      aggregation: str = "token_mean", seed: int = 0, tree_training: bool = False) -> dict:
     """Advantages of one group (the executions of one task), and the paths it trains: at most
@@ -171,10 +168,16 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
     kept = np.array([not t.dropped for t in trees], dtype=np.bool_)  # (G,)
     # Placeholders of executions the system failed are no verdict on the policy: the advantages
     # are those of the group without them, and they train nothing.
-    adv = np.zeros(len(trees), dtype=np.float64)  # (G,)
+    token_adv = [np.zeros(t.unique_tokens) for t in trees]  # (U_g,) per execution
     if kept.any():
-        adv[kept] = ADVANTAGES.get(estimator)(rewards[kept])
-    if not adv.any():
+        group, token_nodes = group_tree([t for t, k in zip(trees, kept) if k])
+        node_adv = ADVANTAGES.get(estimator)(group)  # (K, G_kept)
+        for j, g in enumerate(np.flatnonzero(kept)):
+            token_adv[g] = node_adv[token_nodes[j], j]
+    # Reported per execution: the mean over its sampled tokens (its one advantage, for the
+    # group-relative estimators).
+    adv = np.array([a[t.sampled].mean() if t.sampled.any() else 0.0 for t, a in zip(trees, token_adv)])  # (G,)
+    if not any(a.any() for a in token_adv):
         # No signal (every reward alike): nothing to learn, and a forward and backward saved;
         # left out of the step, it does not dilute the others either.
         return {"samples": [], "rewards": rewards.tolist(), "advantages": adv.tolist()}
@@ -182,9 +185,12 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
     paths = [t.paths(ls) for t, ls in zip(trees, leaves)]
     weight = AGGREGATIONS.get(aggregation)(np.array([sum(p.n_trained for p in ps) for ps in paths]))  # (G,)
     samples = []
-    for t, ls, ps, a, w in zip(trees, leaves, paths, adv, weight):
-        shared = tree_training and len(ps) > 1 and t.unique_tokens <= TREE_PACK_MAX_TOKENS
-        samples += [PathSample.of_tree(t, ls, a, w)] if shared else [PathSample.of(p, a, w) for p in ps]
+    for t, ls, ps, a, w in zip(trees, leaves, paths, token_adv, weight):
+        one = len(a) > 0 and bool(np.all(a == a[0]))  # one advantage for every token: pass it as a number
+        if tree_training and len(ps) > 1:
+            samples.append(PathSample.of_tree(t, ls, a[0] if one else a, w))
+        else:
+            samples += [PathSample.of(p, a[0] if one else a[t.token_index(p.nodes)], w) for p in ps]
     return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyreflow.algo import ADVANTAGES, LOSSES, Registry
+from gyreflow.algo import ADVANTAGES, LOSSES, GroupTree, Registry
 
 # ---------------------------------------------------------------------------------- advantages
 
@@ -23,54 +23,85 @@ RLOO_GOLDEN = [-8 / 3, -4 / 3, 0.0, 4.0]
 DR_GRPO_GOLDEN = [-2.0, -1.0, 0.0, 3.0]
 
 
+def per_execution(name: str, rewards, **kwargs) -> np.ndarray:
+    """An estimator's advantages for executions that share no tokens: one node each."""
+    adv = ADVANTAGES.get(name)(GroupTree.flat(np.asarray(rewards)), **kwargs)  # (G, G)
+    assert np.all(adv[~np.eye(len(adv), dtype=bool)] == 0)  # nothing on the other executions' nodes
+    return np.diag(adv)
+
+
 def test_grpo_golden() -> None:
-    adv = ADVANTAGES.get("grpo")(REWARDS, eps=0.0)
+    adv = per_execution("grpo", REWARDS, eps=0.0)
     np.testing.assert_allclose(adv, GRPO_GOLDEN, rtol=1e-12, atol=1e-12)
     # eps only nudges the scale: (r - mean) / (std + 1e-6)
-    np.testing.assert_allclose(ADVANTAGES.get("grpo")(REWARDS), GRPO_GOLDEN, rtol=1e-6)
+    np.testing.assert_allclose(per_execution("grpo", REWARDS), GRPO_GOLDEN, rtol=1e-6)
 
 
 def test_grpo_binary_group() -> None:
     # rewards {0, 1, 1, 0}: mean 0.5, std 0.5 -> +-1
-    adv = ADVANTAGES.get("grpo")(np.array([0.0, 1.0, 1.0, 0.0]), eps=0.0)
+    adv = per_execution("grpo", np.array([0.0, 1.0, 1.0, 0.0]), eps=0.0)
     np.testing.assert_allclose(adv, [-1.0, 1.0, 1.0, -1.0])
 
 
 def test_grpo_without_std_is_dr_grpo() -> None:
-    adv = ADVANTAGES.get("grpo")(REWARDS, scale_by_std=False)
+    adv = per_execution("grpo", REWARDS, scale_by_std=False)
     np.testing.assert_allclose(adv, DR_GRPO_GOLDEN)
-    np.testing.assert_allclose(ADVANTAGES.get("dr_grpo")(REWARDS), DR_GRPO_GOLDEN)
+    np.testing.assert_allclose(per_execution("dr_grpo", REWARDS), DR_GRPO_GOLDEN)
 
 
 def test_rloo_golden() -> None:
-    np.testing.assert_allclose(ADVANTAGES.get("rloo")(REWARDS), RLOO_GOLDEN, rtol=1e-12)
+    np.testing.assert_allclose(per_execution("rloo", REWARDS), RLOO_GOLDEN, rtol=1e-12)
 
 
 def test_rloo_pair() -> None:
     # G = 2: each baseline is the other reward -> [0.25 - 0.75, 0.75 - 0.25]
-    np.testing.assert_allclose(ADVANTAGES.get("rloo")(np.array([0.25, 0.75])), [-0.5, 0.5])
+    np.testing.assert_allclose(per_execution("rloo", np.array([0.25, 0.75])), [-0.5, 0.5])
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "tree"])
 @pytest.mark.parametrize("rewards", [[0.7], [0.3, 0.3, 0.3], [1.0, 1.0], [0.1] * 7])
 def test_no_signal_groups_give_zeros(name: str, rewards: list[float]) -> None:
-    adv = ADVANTAGES.get(name)(np.array(rewards))
+    adv = per_execution(name, np.array(rewards))
     assert adv.shape == (len(rewards),)
     assert np.all(adv == 0.0)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "tree"])
 def test_advantages_sum_to_zero(name: str) -> None:
     r = np.random.default_rng(0).random(9)
-    adv = ADVANTAGES.get(name)(r)
+    adv = per_execution(name, r)
     assert adv.shape == (9,)
     assert abs(adv.sum()) < 1e-9
+
+
+def test_tree_on_executions_that_share_nothing_is_twice_the_centred_reward() -> None:
+    # Each execution alone on its node, under the root: global r - mean plus local r - mean.
+    np.testing.assert_allclose(per_execution("tree", REWARDS), 2 * np.array(DR_GRPO_GOLDEN))
+
+
+def test_tree_node_advantages_by_hand() -> None:
+    """Node 0: the prompt (all three); node 1: a continuation e0 and e1 share; nodes 2, 3: where
+    e0 and e1 part; node 4: e2's own continuation. Rewards 1, 0, 0.2 (mean 0.4)."""
+    through = np.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=bool)
+    group = GroupTree(np.array([1.0, 0.0, 0.2]), np.array([-1, 0, 1, 1, 0]), through)
+    # V = [0.4, 0.5, 1, 0, 0.2]; A(k) = ((V(k) - 0.4) + (V(k) - V(parent))) / sqrt(executions at k)
+    node = [0.0, (0.1 + 0.1) / np.sqrt(2), 0.6 + 0.5, -0.4 - 0.5, -0.2 - 0.2]
+    np.testing.assert_allclose(ADVANTAGES.get("tree")(group), through * np.array(node)[:, None], atol=1e-12)
+    # The group-relative estimators give each execution one advantage on every node it reached.
+    np.testing.assert_allclose(ADVANTAGES.get("dr_grpo")(group), through * np.array([0.6, -0.4, -0.2]))
+
+
+def test_group_tree_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="through must be"):
+        GroupTree(np.zeros(2), np.array([-1]), np.ones((1, 3), bool))
+    with pytest.raises(ValueError, match="earlier node"):
+        GroupTree(np.zeros(1), np.array([-1, 1]), np.ones((2, 1), bool))
 
 
 @pytest.mark.parametrize("bad", [np.zeros((2, 2)), np.array([0.0, np.nan])])
 def test_advantages_reject_bad_rewards(bad: np.ndarray) -> None:
     with pytest.raises(ValueError):
-        ADVANTAGES.get("grpo")(bad)
+        per_execution("grpo", bad)
 
 
 # ---------------------------------------------------------------------------------------- loss
@@ -203,7 +234,7 @@ def test_loss_rejects_shape_mismatch() -> None:
 
 
 def test_builtin_names() -> None:
-    assert ADVANTAGES.names() == ["dr_grpo", "grpo", "rloo"]
+    assert ADVANTAGES.names() == ["dr_grpo", "grpo", "rloo", "tree"]
     assert LOSSES.names() == ["ppo_clip", "reinforce"]
 
 

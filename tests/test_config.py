@@ -24,7 +24,7 @@ def test_file_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rl.advantage=ppo", "rl.advantage: unknown 'ppo'; allowed: dr_grpo, grpo, rloo"),
+        ("rl.advantage=ppo", "rl.advantage: unknown 'ppo'; allowed: dr_grpo, grpo, rloo, tree"),
         ("rl.loss=dpo", "rl.loss: unknown 'dpo'; allowed: ppo_clip, reinforce"),
         ("rl.steps=0", "rl.steps must be > 0"),
         ("rl.steps=1.5", "rl.steps must be an integer"),

@@ -237,7 +237,7 @@ def test_j_max_bounds_the_paths_of_each_execution():
 
 
 def test_a_dropped_execution_leaves_its_group_s_advantages_as_if_it_were_not_there():
-    from gyreflow.algo import ADVANTAGES
+    from gyreflow.algo import ADVANTAGES, GroupTree
     from gyreflow.stages import group_advantages
 
     results = [ExecutionResult("e0", "t", 0, 0, "train", chain(), 1.0, True, "done"),
@@ -247,7 +247,7 @@ def test_a_dropped_execution_leaves_its_group_s_advantages_as_if_it_were_not_the
     trees = [build_tree(r) for r in results]
     assert [t.dropped for t in trees] == [False, False, True, False]
     group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
-    without = ADVANTAGES.get("grpo")(np.array([1.0, 0.25, 0.0]))
+    without = np.diag(ADVANTAGES.get("grpo")(GroupTree.flat(np.array([1.0, 0.25, 0.0]))))
     # by hand: mean 5/12, population std of (1, 1/4, 0)
     mean, std = 5 / 12, np.sqrt(((1 - 5 / 12) ** 2 + (0.25 - 5 / 12) ** 2 + (5 / 12) ** 2) / 3)
     np.testing.assert_allclose(without, [(1 - mean) / std, (0.25 - mean) / std, -mean / std], rtol=1e-5)
@@ -327,5 +327,57 @@ def test_group_advantages_packs_each_execution_as_one_tree():
     a = trainer.gradients(per_path["samples"], "ppo_clip", clip_eps=0.2)
     b = trainer.gradients(packed["samples"], "ppo_clip", clip_eps=0.2)
     assert a.tokens == b.tokens and a.weight == pytest.approx(b.weight)
+    for name, g in a.grads.items():
+        np.testing.assert_allclose(b.grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+# ------------------------------------------------------------------------------ node advantages
+
+
+def test_tree_estimator_credits_the_node_where_executions_part():
+    """e0 and e1 sample the same first two tokens, then part; e2 goes its own way. Rewards 1, 0,
+    0.2 (mean 0.4). Group tree: the prompt (all three), [91, 92] (e0, e1), then one node each."""
+    from gyreflow.stages import group_advantages
+    from gyreflow.trajectory.group import group_tree
+
+    prompt = SYSTEM + [90]
+    completions, rewards = [[91, 92, 93, 94], [91, 92, 95, 96], [97, 98]], [1.0, 0.0, 0.2]
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", [call(0, prompt, c)], r, False, "done"))
+             for i, (c, r) in enumerate(zip(completions, rewards))]
+    group, token_nodes = group_tree(trees)
+    assert group.through.sum(axis=1).tolist() == [3, 2, 1, 1, 1]
+    assert token_nodes[0].tolist() == [0] * 5 + [1, 1, 2, 2] and token_nodes[2].tolist() == [0] * 5 + [4, 4]
+    out = group_advantages(trees, "tree", 0, "token_mean", 0)
+    shared, e0, e1, e2 = 0.2 / np.sqrt(2), 0.6 + 0.5, -0.4 - 0.5, -0.2 - 0.2  # by hand, see test_algo
+    got = [np.asarray(s.advantage).tolist() for s in out["samples"]]
+    np.testing.assert_allclose(got[0], [0] * 5 + [shared] * 2 + [e0] * 2, atol=1e-6)
+    np.testing.assert_allclose(got[1], [0] * 5 + [shared] * 2 + [e1] * 2, atol=1e-6)
+    np.testing.assert_allclose(got[2], [0] * 5 + [e2] * 2, atol=1e-6)
+    np.testing.assert_allclose(out["advantages"], [(shared + e0) / 2, (shared + e1) / 2, e2], atol=1e-6)
+    # A per-token advantage trains each token with its own: equal advantages give the scalar's gradient.
+    trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                               num_kv_heads=2), seed=3), OptimConfig(), version=2)
+    path = trees[0].paths()[0]
+    a = trainer.gradients([PathSample.of(path, 0.7)], "ppo_clip", clip_eps=0.2)
+    b = trainer.gradients([PathSample.of(path, np.full(len(path), 0.7))], "ppo_clip", clip_eps=0.2)
+    for name, g in a.grads.items():
+        np.testing.assert_allclose(b.grads[name], g, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_tree_estimator_packs_per_token_advantages_into_tree_samples():
+    """With tree training, the per-token advantages follow the tokens into the packed tree: the
+    gradient equals training the same paths one by one with their own advantages."""
+    from gyreflow.stages import group_advantages
+
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", make(), r, False, "done"))
+             for i, (make, r) in enumerate([(best_of_n, 1.0), (sub_agents, 0.0), (retries, 0.2)])]
+    trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                               num_kv_heads=2), seed=3), OptimConfig(), version=2)
+    per_path = group_advantages(trees, "tree", 0, "token_mean", 0, tree_training=False)["samples"]
+    packed = group_advantages(trees, "tree", 0, "token_mean", 0, tree_training=True)["samples"]
+    assert len(packed) < len(per_path) and any(np.ndim(s.advantage) == 1 for s in packed)
+    a = trainer.gradients(per_path, "ppo_clip", clip_eps=0.2)
+    b = trainer.gradients(packed, "ppo_clip", clip_eps=0.2)
+    assert a.tokens == b.tokens
     for name, g in a.grads.items():
         np.testing.assert_allclose(b.grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)

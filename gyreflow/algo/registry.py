@@ -3,9 +3,9 @@
 Each registry holds functions of one signature, so callers dispatch by config string through
 :meth:`Registry.get` and never branch on names themselves::
 
-    from gyreflow.algo import ADVANTAGES, LOSSES
+    from gyreflow.algo import ADVANTAGES, LOSSES, GroupTree
 
-    adv = ADVANTAGES.get("grpo")(rewards)  # (G,)
+    adv = ADVANTAGES.get("grpo")(GroupTree.flat(rewards))  # (K, G)
     loss, metrics = LOSSES.get("ppo_clip")(logprobs, old_logprobs, advantages, mask, clip_eps=0.2)
 """
 
@@ -20,12 +20,15 @@ from gyreflow.registry import Registry
 if TYPE_CHECKING:  # annotations only: importing the registries does not load torch
     import torch
 
+    from gyreflow.algo.advantages import GroupTree
+
 
 class AdvantageFn(Protocol):
     """Advantages of one group: the executions of one task in one step."""
 
-    def __call__(self, rewards: np.ndarray, **kwargs: Any) -> np.ndarray:
-        """Map rewards ``(G,)`` to advantages ``(G,)`` float64."""
+    def __call__(self, group: GroupTree, **kwargs: Any) -> np.ndarray:
+        """Map the group's prefix tree (``K`` nodes, ``G`` executions and their rewards) to the
+        advantage ``(K, G)`` float64 of each node for each execution that reached it (0 elsewhere)."""
         ...
 
 

@@ -51,7 +51,8 @@ class PathSample:
     trained: np.ndarray  # (L,) bool, sampled & owned
     logprobs: np.ndarray  # (L,) float32
     versions: np.ndarray  # (L,) int32
-    advantage: float
+    advantage: float | np.ndarray
+    """The execution's advantage, or ``(L,)`` float one per token (node-level estimators)."""
     temperatures: np.ndarray | None = None  # (L,) float32; None: all 1
     weight: float = 1.0
     """Weight of each of its samples in the step's loss (see :mod:`gyreflow.algo.aggregation`)."""
@@ -65,16 +66,19 @@ class PathSample:
     prev: np.ndarray | None = None  # (L,) int64
 
     @classmethod
-    def of(cls, path, advantage: float, weight: float = 1.0) -> PathSample:
-        """The sample that trains a :class:`~gyreflow.trajectory.tree.TreePath` with ``advantage``."""
-        return cls(path.tokens, path.loss_mask, path.logprobs, path.versions, float(advantage), path.temperatures,
+    def of(cls, path, advantage: float | np.ndarray, weight: float = 1.0) -> PathSample:
+        """The sample that trains a :class:`~gyreflow.trajectory.tree.TreePath` with ``advantage``
+        (one, or ``(L,)`` along the path)."""
+        return cls(path.tokens, path.loss_mask, path.logprobs, path.versions, _advantage(advantage), path.temperatures,
                    float(weight), path.extra_pos, path.extra_logprobs, path.extra_versions, path.extra_temperatures)
 
     @classmethod
-    def of_tree(cls, tree, leaves, advantage: float, weight: float = 1.0) -> PathSample:
-        """The sample that trains the paths to ``leaves`` of a tree at once, each node forwarded once."""
+    def of_tree(cls, tree, leaves, advantage: float | np.ndarray, weight: float = 1.0) -> PathSample:
+        """The sample that trains the paths to ``leaves`` of a tree at once, each node forwarded once;
+        ``advantage`` is one, or ``(U,)`` over the tree's tokens."""
         p = tree.packed(leaves)
-        return cls(p["tokens"], p["trained"], p["logprobs"], p["versions"], float(advantage), p["temperatures"],
+        adv = advantage if np.isscalar(advantage) else np.asarray(advantage)[p["index"]]
+        return cls(p["tokens"], p["trained"], p["logprobs"], p["versions"], _advantage(adv), p["temperatures"],
                    float(weight), p["extra_pos"], p["extra_logprobs"], p["extra_versions"], p["extra_temperatures"],
                    p["positions"], p["prev"])
 
@@ -86,6 +90,10 @@ class PathSample:
     def n_trained(self) -> int:
         """Loss terms: trained tokens plus their further samples."""
         return int(self.trained.sum()) + len(self.extra_pos)
+
+
+def _advantage(advantage: float | np.ndarray) -> float | np.ndarray:
+    return float(advantage) if np.isscalar(advantage) else np.asarray(advantage, np.float32)
 
 
 def pack(samples: list[PathSample], max_tokens: int, min_version: int | None = None) -> list[MicroBatch]:
@@ -121,12 +129,13 @@ def _collate(samples: list[PathSample], min_version: int | None = None) -> Micro
         old = np.concatenate([s.logprobs[s.trained], s.extra_logprobs])
         t = np.concatenate([temps[s.trained], s.extra_temperatures])
         v = np.concatenate([s.versions[s.trained], s.extra_versions])
+        adv = np.broadcast_to(np.float32(s.advantage), (n,)) if np.isscalar(s.advantage) else s.advantage
         keep = prev[pos] >= 0  # a token with nothing before it is never predicted
         if min_version is not None:
             keep &= v >= min_version
         k = int(keep.sum())
         parts.append((np.full(k, b, np.int64), prev[pos][keep], s.tokens[pos][keep].astype(np.int64), old[keep],
-                      np.full(k, s.advantage, np.float32), t[keep], v[keep], np.full(k, s.weight, np.float32)))
+                      adv[pos][keep], t[keep], v[keep], np.full(k, s.weight, np.float32)))
 
     def cat(i: int, dtype) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([p[i] for p in parts]).astype(dtype))

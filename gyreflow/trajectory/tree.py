@@ -353,6 +353,12 @@ class TrajectoryTree:
             node = int(self.node_parent[node])
         return out[::-1]
 
+    def token_index(self, nodes: Sequence[int]) -> np.ndarray:
+        """``(L,)`` int64 indices into the token arrays of the runs of ``nodes``, in order (a
+        :class:`TreePath`'s ``nodes`` give its tokens' places in the tree)."""
+        runs = [np.arange(self.node_offsets[n], self.node_offsets[n + 1]) for n in nodes]
+        return np.concatenate(runs) if runs else np.zeros(0, np.int64)
+
     def _owners(self, leaves: Sequence[int]) -> np.ndarray:
         """``(n_nodes,)`` position in ``leaves`` of each node's owner, -1 if no path covers it."""
         owner = np.full(self.n_nodes, -1, dtype=np.int64)
@@ -428,7 +434,8 @@ class TrajectoryTree:
         one of the paths), with its extra samples. Returns the arrays of a tree-layout
         :class:`~gyreflow.train.packing.PathSample`: ``tokens``, ``trained``, ``logprobs``,
         ``versions``, ``temperatures``, ``positions`` (depth), ``prev`` (the token before each one
-        on its path, -1 at a root) and the ``extra_*`` arrays.
+        on its path, -1 at a root), ``index`` (each token's place in the tree's token arrays) and
+        the ``extra_*`` arrays.
         """
         order = list(range(self.n_leaves)) if leaves is None else [int(x) for x in leaves]
         covered = sorted({n for leaf in order for n in self._node_path(int(self._leaves[leaf]))})  # pre-order
@@ -455,7 +462,7 @@ class TrajectoryTree:
         return {
             "tokens": self.tokens[idx], "trained": self.sampled[idx].copy(), "logprobs": self.logprobs[idx],
             "versions": self.versions[idx], "temperatures": self.temperatures[idx],
-            "positions": depth[node_of] + within, "prev": prev,
+            "positions": depth[node_of] + within, "prev": prev, "index": idx,
             "extra_pos": pos_in_pack[self.extra_index[e]], "extra_logprobs": self.extra_logprobs[e],
             "extra_versions": self.extra_versions[e], "extra_temperatures": self.extra_temperatures[e],
         }
