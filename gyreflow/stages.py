@@ -32,6 +32,7 @@ from gyreflow.model.policy import build_policy, load_policy, save_policy, state_
 from gyreflow.train.packing import PathSample
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.reduce import GradientShare, msg_to_share
+from gyreflow.train.state import PolicyState, PublishedWeights
 from gyreflow.train.trainer import Trainer
 from gyreflow.trajectory.records import ExecutionResult, record_problems
 from gyreflow.trajectory.group import group_tree
@@ -40,9 +41,8 @@ from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 logger = logging.getLogger("gyreflow")
 
 
-def _published(model, version: int, optim, run: str) -> dict:
-    return {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": version,
-            "optim": optim, "run": run}
+def _published(model, version: int, optim, run: str) -> PublishedWeights:
+    return PublishedWeights(version, run, model.config.to_dict(), state_dict_numpy(model), optim)
 
 
 def sft_fingerprint(cfg) -> str:
@@ -53,7 +53,7 @@ def sft_fingerprint(cfg) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: str = "run") -> dict:
+def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: str = "run") -> PolicyState:
     """Train the SFT policy on synthetic demonstrations (or reuse a cached one), save it as a
     checkpoint, and return it as the RL state of version 0 (fresh optimizer). Runs on a trainer
     cell."""
@@ -86,14 +86,14 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: 
             save_policy(model, cached)
     save_policy(model, checkpoint_dir)
     metrics["sft_s"] = time.time() - t0
-    service.at(state := _published(model, 0, cfg.optim, run))
-    return state | {"optimizer": None, "metrics": metrics}
+    service.at(published := _published(model, 0, cfg.optim, run))
+    return PolicyState(published, None, metrics)
 
 
-def publish_weights(published: dict) -> dict:
+def publish_weights(published: PublishedWeights) -> dict:
     """Install a weights version in this rollout cell's engine. Runs on a rollout cell."""
     service = get_worker().plugins[ENGINE_PLUGIN]
-    return service.load(published["hf_config"], published["weights"], published["version"])
+    return service.load(published.hf_config, published.weights, published.version)
 
 
 def run_native_execution(task: Task, agent: AgentConfig, execution_id: str, step: int, sample: int, seed: int,
@@ -199,10 +199,10 @@ def path_seed(seed: int, execution_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{execution_id}".encode(), digest_size=8).digest(), "little")
 
 
-def weights_of(state: dict) -> dict:
+def weights_of(state: PolicyState) -> PublishedWeights:
     """The published weights of an RL state, without the optimizer state (what engines and
     gradient shares need)."""
-    return {k: state[k] for k in ("hf_config", "weights", "version", "optim", "run")}
+    return state.published
 
 
 def partition(sizes: list[int], parts: int) -> list[list[int]]:
@@ -217,7 +217,7 @@ def partition(sizes: list[int], parts: int) -> list[list[int]]:
     return bins
 
 
-def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str, loss_kwargs: dict,
+def gradient_share(group: dict, published: PublishedWeights, j: int, shares: int, loss: str, loss_kwargs: dict,
                    max_staleness: int | None = None, is_cap: float = 0.0) -> GradientShare:
     """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
     weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
@@ -232,7 +232,7 @@ def gradient_share(group: dict, published: dict, j: int, shares: int, loss: str,
     out.train_s = time.time() - t0
     out.worker = worker.address
     # The gradient stays on this cell, in its running sum for the step; the update takes the sum.
-    return service.sums.add(published["run"], worker.get_current_task(), out)
+    return service.sums.add(published.run, worker.get_current_task(), out)
 
 
 class LostGradients(RuntimeError):
@@ -264,30 +264,30 @@ def gather_sums(shares: list[GradientShare], run: str) -> list[GradientShare]:
     return out
 
 
-def apply_update(step: int, shares: list[GradientShare], state: dict) -> dict:
+def apply_update(step: int, shares: list[GradientShare], state: PolicyState) -> PolicyState:
     """The step's optimizer update from its gradient shares (one summed gradient taken from each
     cell that computed some); the next RL state (new weights version, optimizer state). Runs on a
     trainer cell."""
     service = get_worker().plugins[TRAINER_PLUGIN]
     trainer = service.resume(state)
     t0 = time.time()
-    metrics = trainer.apply_gradients(gather_sums(shares, state["run"]))
+    metrics = trainer.apply_gradients(gather_sums(shares, state.run))
     service.applied()
     metrics["apply_s"] = time.time() - t0
     metrics["train_s"] = sum(s.train_s for s in shares) + metrics["apply_s"]
     metrics["share_workers"] = sorted({s.worker for s in shares})
     metrics["step"] = step
-    return _published(trainer.model, trainer.version, trainer.cfg, state["run"]) | {
-        "optimizer": trainer.optimizer.state_dict(), "metrics": metrics}
+    return PolicyState(_published(trainer.model, trainer.version, trainer.cfg, state.run),
+                       trainer.optimizer.state_dict(), metrics)
 
 
-def save_checkpoint(published: dict, path: str) -> str:
+def save_checkpoint(published: PublishedWeights, path: str) -> str:
     """Write a published weights version as a Hugging Face checkpoint directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gyreflow.model.policy import load_state_dict_numpy
 
-    model = LlamaForCausalLM(LlamaConfig(**published["hf_config"]))
-    load_state_dict_numpy(model, published["weights"])
+    model = LlamaForCausalLM(LlamaConfig(**published.hf_config))
+    load_state_dict_numpy(model, published.weights)
     save_policy(model, path)
     return path

@@ -84,7 +84,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
                           str(cache_dir) if cache_dir else None, run_dir.name, key="sft-warmstart", resources={TRAINER: 1})
     published = client.submit(weights_of, state, key="weights-v0")
     publish(client, STAGES, published, engine_cells(client, cfg), version=0)
-    sft = state.result()["metrics"]
+    sft = state.result().metrics
     initial, initial_writes = evaluate(client, heldout, source, cfg, version=0, archive=archive, step=0)
     report.set(initial_heldout_pass_rate=initial["pass_rate"], initial_heldout_mean_reward=initial["mean_reward"], sft=sft)
     log(f"SFT policy: held-out pass rate {initial['pass_rate']:.3f} (mean reward {initial['mean_reward']:.3f})")
@@ -102,7 +102,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
         state, published = in_flight[-1].futures.update, in_flight[-1].futures.published
     while in_flight:
         last_finish = finish(client, in_flight.popleft(), cfg, heldout, source, archive, report, log, last_finish, t_run)
-    save_checkpoint(state.result(), str(run_dir / "checkpoints" / "final"))
+    save_checkpoint(state.result().published, str(run_dir / "checkpoints" / "final"))
     report.set(total_wall_s=time.time() - t_run, completed=True,
                placement=client.sync(client.scheduler.gyreflow_pools))
     return report.data
@@ -181,7 +181,7 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
     """Publish the step's update, evaluate it, commit the step to the archive and the report (with
     what the pools did since the last step finished)."""
     trained = sf.futures.update.result()
-    version = trained["version"]
+    version = trained.version
     publish(client, STAGES, sf.futures.published, engine_cells(client, cfg), version)
     if (sf.step + 1) % cfg.rl.eval_every == 0 or sf.step == cfg.rl.steps - 1:
         ev, eval_writes = evaluate(client, heldout, source, cfg, version, archive, sf.step)
@@ -196,7 +196,7 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
                "end_reasons": end_reasons(results)}
     commit_step(str(archive), sf.step, summary, expected=[s["execution_id"] for s in summaries])
     now = time.time()
-    m = trained["metrics"]
+    m = trained.metrics
     entry = {
         "step": sf.step,
         "version": version,

@@ -27,6 +27,7 @@ from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingPa
 from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
 from gyreflow.stages import publish_weights
+from gyreflow.train.state import PublishedWeights
 from support import wait_for
 
 TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
@@ -54,7 +55,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def published(model):
-    return {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": VERSION}
+    return PublishedWeights(VERSION, "elastic-test", model.config.to_dict(), state_dict_numpy(model))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.model import build_policy, state_dict_numpy
 from gyreflow.model.chat import END_ID
 from gyreflow.stages import publish_weights, run_execution
+from gyreflow.train.state import PublishedWeights
 from proxy_support import SMALL
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def client(model):
     with local_cluster(PoolSpec(rollout=1, trainer=1, execution_slots=4)) as cluster, Client(cluster) as c:
         c.wait_for_workers(3)
         install(c, torch_threads=1, engine_options=ENGINE_OPTIONS, mode="async")
-        published = {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": 2}
+        published = PublishedWeights(2, "external-test", model.config.to_dict(), state_dict_numpy(model))
         for cell in cells_of(c)[ROLLOUT]:
             c.submit(publish_weights, published, workers=[cell], pure=False).result()
         yield c

@@ -203,6 +203,7 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
 
     from gyreflow.cluster.local import PoolSpec, local_cluster
     from gyreflow.stages import _published, apply_update, gradient_share
+    from gyreflow.train.state import PolicyState
     from gyreflow.cluster.pools import TRAINER
     from gyreflow.train.service import TrainerService
 
@@ -210,7 +211,7 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
     model = build_policy(TINY, seed=3)
     optim = OptimConfig(lr=1e-2)
     published = _published(model, 0, optim, "shares-test")
-    state = published | {"optimizer": None}
+    state = PolicyState(published)
     ref = Trainer(build_policy(TINY, seed=3), optim, version=0)
     want = ref.rl_step(data, "ppo_clip", clip_eps=0.2)
     group = {"samples": data}
@@ -226,11 +227,11 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
         assert {s.worker for s in light} == set(cells) and all(s.grads is None for s in light)
         new = client.submit(apply_update, 0, shares, state, key="update-0", workers=[cells[0]],
                             allow_other_workers=False).result()
-        assert new["metrics"]["shares"] == 4 and new["metrics"]["share_workers"] == cells
-        assert new["metrics"]["trained_tokens"] == want["trained_tokens"]
-        assert new["metrics"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert new.metrics["shares"] == 4 and new.metrics["share_workers"] == cells
+        assert new.metrics["trained_tokens"] == want["trained_tokens"] and new.version == 1
+        assert new.metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         # Nothing is left behind on either cell.
         left = client.run(lambda dask_worker: len(dask_worker.plugins["gyreflow-trainer"].sums), workers=cells)
         assert set(left.values()) == {0}
     for name, p in ref.model.named_parameters():
-        np.testing.assert_allclose(new["weights"][name], p.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(new.published.weights[name], p.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

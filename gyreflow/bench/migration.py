@@ -45,6 +45,7 @@ from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.engine.base import GenerationRequest, SamplingParams
 from gyreflow.engine.service import PLUGIN_NAME, EngineService
 from gyreflow.engine.wire import msg_to_result, request_to_msg
+from gyreflow.train.state import PublishedWeights
 
 HEADROOM = 256
 """Cache positions past ``context_tokens`` (the engine's ``max_seq_len`` is the largest context
@@ -102,8 +103,8 @@ def _engine_stats(dask_worker=None) -> dict:
     return _service(dask_worker).stats()
 
 
-def _publish(published: dict, dask_worker=None) -> dict:
-    return _service(dask_worker).load(published["hf_config"], published["weights"], published["version"])
+def _publish(published: PublishedWeights, dask_worker=None) -> dict:
+    return _service(dask_worker).load(published.hf_config, published.weights, published.version)
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -289,7 +290,7 @@ def run_migration_bench(context_tokens: int = 2000, repeats: int = 5, log=print,
     started = time.monotonic()
     cfg = ModelConfig()
     model = build_policy(cfg)
-    published = {"hf_config": model.config.to_dict(), "weights": state_dict_numpy(model), "version": 1}
+    published = PublishedWeights(1, "bench-migration", model.config.to_dict(), state_dict_numpy(model))
     n_params = sum(p.numel() for p in model.parameters())
     longest = max(context_tokens, larger_context or 0)
     options = {"max_batch": 4, "max_seq_len": longest + HEADROOM}

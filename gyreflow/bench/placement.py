@@ -60,6 +60,7 @@ from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.cluster.routing import RoutingOptions
 from gyreflow.stepgraph import Group, Stages, submit_step
+from gyreflow.train.state import PolicyState, PublishedWeights
 
 ARMS = ("colocated", "async_user", "async_oracle", "lend", "elastic")
 ARM_MODE = {"colocated": "colocated", "async_user": "async", "async_oracle": "async", "lend": "lend",
@@ -162,7 +163,8 @@ class _Run:
             self.client, self.stages = client, stages_for(w)
             info = workers_info(client)
             self.names = {v["name"]: a for a, v in info.items()}
-            state = published = {"version": 0, "run": f"bench-{self.mode_name}"}
+            published = PublishedWeights(0, f"bench-{self.mode_name}")
+            state = PolicyState(published)
             self._publish(published, 0)
             self.t0 = time.time()
             cpu0 = _cpu_seconds()
@@ -212,10 +214,10 @@ class _Run:
 
     def _finish(self, sf) -> dict:
         update = sf.update.result()
-        self._publish(sf.published, update["version"])
+        self._publish(sf.published, update.version)
         end = (time.time() - self.t0) * self.w.time_scale
         self.log(f"  {self.mode_name} {self.split[0]}:{self.split[1]}: step {sf.step} done at {end:,.0f} s emulated")
-        return update | {"done_emulated": end}
+        return {"version": update.version, "metrics": update.metrics, "done_emulated": end}
 
     _stop = False
 

@@ -18,6 +18,7 @@ from gyreflow.bench.workload import ExecutionSpec, Workload
 from gyreflow.cluster.router import Router
 from gyreflow.engine.base import GenerationRequest, SamplingParams
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
+from gyreflow.train.state import PolicyState, PublishedWeights
 
 
 async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
@@ -58,33 +59,33 @@ def emulated_group(results: list[dict]) -> dict:
             "executions": len(results), "step": results[0]["step"]}
 
 
-def emulated_gradient(group: dict, published: dict, j: int, shares: int, workload: Workload) -> dict:
+def emulated_gradient(group: dict, published: PublishedWeights, j: int, shares: int, workload: Workload) -> dict:
     """Share ``j`` of ``shares`` of one group's gradient work: ``t`` (of the group's step) per trained
     token on this cell (the group's tokens cut evenly, as sequence-parallel training of long paths
     would)."""
     start = time.time()
     tokens = group["tokens"] // shares + (group["tokens"] % shares if j == 0 else 0)
     time.sleep(workload.at(group["step"]).train_s_per_token * tokens / workload.time_scale)
-    return {"tokens": tokens, "version": published["version"], "oldest": group["min_version"],
+    return {"tokens": tokens, "version": published.version, "oldest": group["min_version"],
             "worker": get_worker().address, "start": start, "end": time.time()}
 
 
-def emulated_update(step: int, shares: list[dict], state: dict, workload: Workload) -> dict:
+def emulated_update(step: int, shares: list[dict], state: PolicyState, workload: Workload) -> PolicyState:
     """The optimizer step and weight publication: a fixed cost per step."""
     start = time.time()
     time.sleep(workload.cost.step_fixed_s / workload.time_scale)
-    version = state["version"] + 1
+    version = state.version + 1
     oldest = min(s["oldest"] for s in shares)
-    return {"version": version, "run": state["run"], "metrics": {
+    return PolicyState(PublishedWeights(version, state.run), None, {
         "step": step, "trained_tokens": int(sum(s["tokens"] for s in shares)), "max_staleness": version - 1 - oldest,
         "shares": [{k: s[k] for k in ("worker", "start", "end", "tokens")} for s in shares],
-        "update": {"worker": get_worker().address, "start": start, "end": time.time()}}}
+        "update": {"worker": get_worker().address, "start": start, "end": time.time()}})
 
 
-def emulated_weights(state: dict) -> dict:
-    return {"version": state["version"], "run": state["run"]}
+def emulated_weights(state: PolicyState) -> PublishedWeights:
+    return state.published
 
 
-def emulated_publish(published: dict) -> dict:
+def emulated_publish(published: PublishedWeights) -> dict:
     """The cell's emulated engine takes the version (the publication's cost is in the update)."""
-    return get_worker().plugins[ENGINE_PLUGIN].load({}, {}, published["version"])
+    return get_worker().plugins[ENGINE_PLUGIN].load({}, {}, published.version)

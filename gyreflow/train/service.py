@@ -14,6 +14,7 @@ import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from gyreflow.train.reduce import CellSums, share_to_msg
+from gyreflow.train.state import PolicyState, PublishedWeights
 
 if TYPE_CHECKING:
     from gyreflow.train.trainer import OptimConfig, Trainer
@@ -73,35 +74,34 @@ class TrainerService(WorkerPlugin):
             raise RuntimeError("this trainer cell has no trainer: run the init task first")
         return self.trainer
 
-    def at(self, published: dict) -> Trainer:
-        """The replica at ``published`` weights (``hf_config``, ``weights``, ``version``, ``optim``,
-        ``run``), loading them only when the cell does not hold that version of that run yet."""
+    def at(self, published: PublishedWeights) -> Trainer:
+        """The replica at ``published`` weights, loading them only when the cell does not hold that
+        version of that run yet."""
         from transformers import LlamaConfig
 
         from gyreflow.model.policy import load_state_dict_numpy
 
-        key = (published["run"], published["version"])
+        key = (published.run, published.version)
         if self.trainer is None or (self.run, self.trainer.version) != key:
-            if self.trainer is None or self.trainer.model.config.to_dict() != LlamaConfig(**published["hf_config"]).to_dict():
-                self.init(published["hf_config"], published["weights"], published["optim"], published["version"])
+            if self.trainer is None or self.trainer.model.config.to_dict() != LlamaConfig(**published.hf_config).to_dict():
+                self.init(published.hf_config, published.weights, published.optim, published.version)
             else:
-                load_state_dict_numpy(self.trainer.model, published["weights"])
-                self.trainer.version = published["version"]
-            self.run = published["run"]
+                load_state_dict_numpy(self.trainer.model, published.weights)
+                self.trainer.version = published.version
+            self.run = published.run
             self.loads += 1
         return self.trainer
 
-    def resume(self, state: dict) -> Trainer:
-        """The replica at ``state`` with the optimizer state that goes with it (``state["optimizer"]``
-        is a state dict, or ``None`` for a fresh optimizer)."""
+    def resume(self, state: PolicyState) -> Trainer:
+        """The replica at ``state`` with the optimizer state that goes with it."""
         import torch
 
-        trainer = self.at(state)
-        if self.optimizer_of != (state["run"], state["version"]):
+        trainer = self.at(state.published)
+        if self.optimizer_of != (state.run, state.version):
             trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=trainer.cfg.lr,
                                                   weight_decay=trainer.cfg.weight_decay)
-            if state.get("optimizer") is not None:
-                trainer.optimizer.load_state_dict(state["optimizer"])
+            if state.optimizer is not None:
+                trainer.optimizer.load_state_dict(state.optimizer)
         return trainer
 
     def applied(self) -> None:
