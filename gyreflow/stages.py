@@ -32,7 +32,7 @@ from gyreflow.model.policy import build_policy, load_policy, save_policy, state_
 from gyreflow.train.packing import PathSample
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.reduce import GradientShare, msg_to_share
-from gyreflow.train.state import PolicyState, PublishedWeights
+from gyreflow.train.state import GroupSamples, PolicyState, PublishedWeights
 from gyreflow.train.trainer import Trainer
 from gyreflow.trajectory.records import ExecutionResult, record_problems
 from gyreflow.trajectory.group import group_tree
@@ -160,7 +160,7 @@ def make_tree(result: ExecutionResult, vocab_size: int | None = None,
 
 
 def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0,
-                     aggregation: str = "token_mean", seed: int = 0, tree_training: bool = False) -> dict:
+                     aggregation: str = "token_mean", seed: int = 0, tree_training: bool = False) -> GroupSamples:
     """Advantages of one group (the executions of one task), and the paths it trains: at most
     ``j_max`` per execution by role priority, each sample weighted by ``aggregation``; with
     ``tree_training``, an execution's paths are one tree-shaped sample (shared nodes forwarded once)."""
@@ -180,7 +180,7 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
     if not any(a.any() for a in token_adv):
         # No signal (every reward alike): nothing to learn, and a forward and backward saved;
         # left out of the step, it does not dilute the others either.
-        return {"samples": [], "rewards": rewards.tolist(), "advantages": adv.tolist()}
+        return GroupSamples([], rewards.tolist(), adv.tolist())
     leaves = [t.sample_paths(j_max, path_seed(seed, t.execution_id)) if k else [] for t, k in zip(trees, kept)]
     paths = [t.paths(ls) for t, ls in zip(trees, leaves)]
     weight = AGGREGATIONS.get(aggregation)(np.array([sum(p.n_trained for p in ps) for ps in paths]))  # (G,)
@@ -191,7 +191,7 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
             samples.append(PathSample.of_tree(t, ls, a[0] if one else a, w))
         else:
             samples += [PathSample.of(p, a[0] if one else a[t.token_index(p.nodes)], w) for p in ps]
-    return {"samples": samples, "rewards": rewards.tolist(), "advantages": adv.tolist()}
+    return GroupSamples(samples, rewards.tolist(), adv.tolist())
 
 
 def path_seed(seed: int, execution_id: str) -> int:
@@ -217,7 +217,7 @@ def partition(sizes: list[int], parts: int) -> list[list[int]]:
     return bins
 
 
-def gradient_share(group: dict, published: PublishedWeights, j: int, shares: int, loss: str, loss_kwargs: dict,
+def gradient_share(group: GroupSamples, published: PublishedWeights, j: int, shares: int, loss: str, loss_kwargs: dict,
                    max_staleness: int | None = None, is_cap: float = 0.0) -> GradientShare:
     """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
     weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
@@ -225,7 +225,7 @@ def gradient_share(group: dict, published: PublishedWeights, j: int, shares: int
     worker = get_worker()
     service = worker.plugins[TRAINER_PLUGIN]
     trainer = service.at(published)
-    trainable = [s for s in group["samples"] if s.n_trained]
+    trainable = [s for s in group.samples if s.n_trained]
     samples = [trainable[i] for i in partition([s.n_trained for s in trainable], shares)[j]]
     t0 = time.time()
     out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)

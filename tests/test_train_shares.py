@@ -203,7 +203,7 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
 
     from gyreflow.cluster.local import PoolSpec, local_cluster
     from gyreflow.stages import _published, apply_update, gradient_share
-    from gyreflow.train.state import PolicyState
+    from gyreflow.train.state import GroupSamples, PolicyState
     from gyreflow.cluster.pools import TRAINER
     from gyreflow.train.service import TrainerService
 
@@ -214,7 +214,7 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
     state = PolicyState(published)
     ref = Trainer(build_policy(TINY, seed=3), optim, version=0)
     want = ref.rl_step(data, "ppo_clip", clip_eps=0.2)
-    group = {"samples": data}
+    group = GroupSamples(data, [], [])
     with local_cluster(PoolSpec(rollout=1, trainer=2, execution_slots=1)) as cluster, Client(cluster) as client:
         info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
         cells = sorted(a for a, w in info.items() if w.get("resources", {}).get(TRAINER))

@@ -206,18 +206,18 @@ def test_two_level_averaging_is_the_mean_over_executions_of_their_token_means():
     trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                                num_kv_heads=2), seed=3), OptimConfig(), version=2)
     group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
-    got = trainer.gradients(group["samples"], "ppo_clip", clip_eps=0.2)
+    got = trainer.gradients(group.samples, "ppo_clip", clip_eps=0.2)
     assert got.tokens == 33 and got.weight == pytest.approx(3.0)
     # The reference: each execution's own token-mean gradient, then their plain mean.
     per = []
-    for t, a in zip(trees, group["advantages"]):
+    for t, a in zip(trees, group.advantages):
         r = trainer.gradients([PathSample.of(p, a) for p in t.paths()], "ppo_clip", clip_eps=0.2)
         per.append({k: g / r.tokens for k, g in r.grads.items()})
     for name, g in got.grads.items():
         np.testing.assert_allclose(g / got.weight, np.mean([p[name] for p in per], axis=0), rtol=1e-4, atol=1e-7,
                                    err_msg=name)
     # token_mean weighs every sample alike: the 14-sample execution counts 14/33, not 1/3.
-    flat = trainer.gradients(group_advantages(trees, "grpo", 0, "token_mean", 0)["samples"], "ppo_clip", clip_eps=0.2)
+    flat = trainer.gradients(group_advantages(trees, "grpo", 0, "token_mean", 0).samples, "ppo_clip", clip_eps=0.2)
     assert flat.weight == pytest.approx(33.0)
 
 
@@ -228,12 +228,12 @@ def test_j_max_bounds_the_paths_of_each_execution():
              for i in range(3)]
     assert all(t.n_leaves == 3 for t in trees)
     one = group_advantages(trees, "grpo", 1, "execution_mean", 0)
-    assert len(one["samples"]) == 3  # one path per execution
-    assert [s.weight for s in one["samples"]] == pytest.approx([1 / s.n_trained for s in one["samples"]])
-    again = group_advantages(trees, "grpo", 1, "execution_mean", 0)["samples"]
-    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in one["samples"]]  # seeded
+    assert len(one.samples) == 3  # one path per execution
+    assert [s.weight for s in one.samples] == pytest.approx([1 / s.n_trained for s in one.samples])
+    again = group_advantages(trees, "grpo", 1, "execution_mean", 0).samples
+    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in one.samples]  # seeded
     every = group_advantages(trees, "grpo", 0, "execution_mean", 0)
-    assert len(every["samples"]) == 9 and sum(s.n_trained for s in every["samples"]) == 3 * 11
+    assert len(every.samples) == 9 and sum(s.n_trained for s in every.samples) == 3 * 11
 
 
 def test_a_dropped_execution_leaves_its_group_s_advantages_as_if_it_were_not_there():
@@ -251,8 +251,8 @@ def test_a_dropped_execution_leaves_its_group_s_advantages_as_if_it_were_not_the
     # by hand: mean 5/12, population std of (1, 1/4, 0)
     mean, std = 5 / 12, np.sqrt(((1 - 5 / 12) ** 2 + (0.25 - 5 / 12) ** 2 + (5 / 12) ** 2) / 3)
     np.testing.assert_allclose(without, [(1 - mean) / std, (0.25 - mean) / std, -mean / std], rtol=1e-5)
-    np.testing.assert_allclose(group["advantages"], [without[0], without[1], 0.0, without[2]])
-    assert len(group["samples"]) == 3  # the placeholder trains nothing
+    np.testing.assert_allclose(group.advantages, [without[0], without[1], 0.0, without[2]])
+    assert len(group.samples) == 3  # the placeholder trains nothing
 
 
 def test_a_group_without_advantage_signal_trains_nothing():
@@ -260,7 +260,7 @@ def test_a_group_without_advantage_signal_trains_nothing():
 
     trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", chain(), 0.5, False, "done")) for i in range(4)]
     group = group_advantages(trees, "grpo", 0, "execution_mean", 0)
-    assert group["samples"] == [] and group["advantages"] == [0.0] * 4
+    assert group.samples == [] and group.advantages == [0.0] * 4
 
 
 def test_records_that_contradict_each_other_are_excluded_not_crashed_on(caplog):
@@ -320,12 +320,12 @@ def test_group_advantages_packs_each_execution_as_one_tree():
              for i, (make, r) in enumerate([(chain, 1.0), (best_of_n, 0.0), (sub_agents, 0.5)])]
     per_path = group_advantages(trees, "grpo", 0, "execution_mean", 0, tree_training=False)
     packed = group_advantages(trees, "grpo", 0, "execution_mean", 0, tree_training=True)
-    assert len(per_path["samples"]) == sum(t.n_leaves for t in trees) > len(packed["samples"]) == 3
-    assert [s.is_tree for s in packed["samples"]] == [False, True, True]  # a single chain stays a chain
+    assert len(per_path.samples) == sum(t.n_leaves for t in trees) > len(packed.samples) == 3
+    assert [s.is_tree for s in packed.samples] == [False, True, True]  # a single chain stays a chain
     trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                                num_kv_heads=2), seed=3), OptimConfig(), version=2)
-    a = trainer.gradients(per_path["samples"], "ppo_clip", clip_eps=0.2)
-    b = trainer.gradients(packed["samples"], "ppo_clip", clip_eps=0.2)
+    a = trainer.gradients(per_path.samples, "ppo_clip", clip_eps=0.2)
+    b = trainer.gradients(packed.samples, "ppo_clip", clip_eps=0.2)
     assert a.tokens == b.tokens and a.weight == pytest.approx(b.weight)
     for name, g in a.grads.items():
         np.testing.assert_allclose(b.grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
@@ -349,11 +349,11 @@ def test_tree_estimator_credits_the_node_where_executions_part():
     assert token_nodes[0].tolist() == [0] * 5 + [1, 1, 2, 2] and token_nodes[2].tolist() == [0] * 5 + [4, 4]
     out = group_advantages(trees, "tree", 0, "token_mean", 0)
     shared, e0, e1, e2 = 0.2 / np.sqrt(2), 0.6 + 0.5, -0.4 - 0.5, -0.2 - 0.2  # by hand, see test_algo
-    got = [np.asarray(s.advantage).tolist() for s in out["samples"]]
+    got = [np.asarray(s.advantage).tolist() for s in out.samples]
     np.testing.assert_allclose(got[0], [0] * 5 + [shared] * 2 + [e0] * 2, atol=1e-6)
     np.testing.assert_allclose(got[1], [0] * 5 + [shared] * 2 + [e1] * 2, atol=1e-6)
     np.testing.assert_allclose(got[2], [0] * 5 + [e2] * 2, atol=1e-6)
-    np.testing.assert_allclose(out["advantages"], [(shared + e0) / 2, (shared + e1) / 2, e2], atol=1e-6)
+    np.testing.assert_allclose(out.advantages, [(shared + e0) / 2, (shared + e1) / 2, e2], atol=1e-6)
     # A per-token advantage trains each token with its own: equal advantages give the scalar's gradient.
     trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                                num_kv_heads=2), seed=3), OptimConfig(), version=2)
@@ -373,8 +373,8 @@ def test_tree_estimator_packs_per_token_advantages_into_tree_samples():
              for i, (make, r) in enumerate([(best_of_n, 1.0), (sub_agents, 0.0), (retries, 0.2)])]
     trainer = Trainer(build_policy(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                                num_kv_heads=2), seed=3), OptimConfig(), version=2)
-    per_path = group_advantages(trees, "tree", 0, "token_mean", 0, tree_training=False)["samples"]
-    packed = group_advantages(trees, "tree", 0, "token_mean", 0, tree_training=True)["samples"]
+    per_path = group_advantages(trees, "tree", 0, "token_mean", 0, tree_training=False).samples
+    packed = group_advantages(trees, "tree", 0, "token_mean", 0, tree_training=True).samples
     assert len(packed) < len(per_path) and any(np.ndim(s.advantage) == 1 for s in packed)
     a = trainer.gradients(per_path, "ppo_clip", clip_eps=0.2)
     b = trainer.gradients(packed, "ppo_clip", clip_eps=0.2)

@@ -1,15 +1,19 @@
-"""The state passed between a step's stages: a published weights version and the RL state.
+"""The state passed between a step's stages: a group's samples, a published weights version and
+the RL state (gradient shares: :class:`~gyreflow.train.reduce.GradientShare`).
 
-Both are plain dataclasses of numpy arrays and JSON-like values (no torch objects beyond the
+They are plain dataclasses of numpy arrays and JSON-like values (no torch objects beyond the
 optimizer's own state dict), so Dask ships them between cells as it ships any task result.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gyreflow.train.packing import PathSample
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,16 @@ class PolicyState:
     @property
     def run(self) -> str:
         return self.published.run
+
+
+@dataclass(frozen=True)
+class GroupSamples:
+    """What a group's advantage stage hands its gradient shares: the samples to train."""
+
+    samples: list[PathSample]
+    """Paths (or packed trees) with their advantages and loss weights; empty when the group has
+    no advantage signal."""
+    rewards: list[float]
+    """Per execution of the group, in order."""
+    advantages: list[float]
+    """Per execution: the mean advantage of its sampled tokens."""
