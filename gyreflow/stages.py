@@ -24,7 +24,7 @@ from gyreflow.agents.loop import AgentConfig, run_agent
 from gyreflow.agents.suite import SuiteTask
 from gyreflow.agents.sources import task_source
 from gyreflow.agents.tasks import Task
-from gyreflow.algo import ADVANTAGES, AGGREGATIONS
+from gyreflow.algo import ADVANTAGES, AGGREGATIONS, GroupTree
 from gyreflow.cluster.router import Router
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
@@ -170,8 +170,13 @@ def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0
     # are those of the group without them, and they train nothing.
     token_adv = [np.zeros(t.unique_tokens) for t in trees]  # (U_g,) per execution
     if kept.any():
-        group, token_nodes = group_tree([t for t, k in zip(trees, kept) if k])
-        node_adv = ADVANTAGES.get(estimator)(group)  # (K, G_kept)
+        fn, judged = ADVANTAGES.get(estimator), [t for t, k in zip(trees, kept) if k]
+        if getattr(fn, "node_level", False):
+            group, token_nodes = group_tree(judged)
+        else:  # one advantage per execution: one node each is enough
+            group = GroupTree.flat(rewards[kept])
+            token_nodes = [np.full(t.unique_tokens, j) for j, t in enumerate(judged)]
+        node_adv = fn(group)  # (K, G_kept)
         for j, g in enumerate(np.flatnonzero(kept)):
             token_adv[g] = node_adv[token_nodes[j], j]
     # Reported per execution: the mean over its sampled tokens (its one advantage, for the

@@ -45,7 +45,7 @@ from gyreflow.stages import (
     weights_of,
 )
 from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
-from gyreflow.storage import commit_step, create_archive, write_execution
+from gyreflow.storage import commit_step, create_archive, write_executions
 from gyreflow.model.tokenizer import VOCAB_SIZE
 from gyreflow.trajectory.records import END_REASONS
 
@@ -139,8 +139,14 @@ def launch(client: Client, step: int, cfg: RunConfig, source: TaskSource, archiv
                           gradient_args=(cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap),
                           shares_per_group=cfg.rl.shares_per_group,
                           tree_args=(VOCAB_SIZE, cfg.model.max_position_embeddings))
-    writes = [client.submit(write_execution, str(archive), ex, key=f"archive-{ex.key}", resources=SLOT)
-              for ex in futures.executions]
+    # One archive segment per group, written once the group's executions are done, from the trees
+    # built for training.
+    writes, at = [], 0
+    for k, g in enumerate(groups):
+        done, trees = (f[at : at + len(g.executions)] for f in (futures.executions, futures.trees))
+        at += len(g.executions)
+        writes.append(client.submit(write_executions, str(archive), done, f"group-{k:04d}",  # task ids may not be path-safe
+                                    trees, key=f"archive-{step}-{g.task_id}", resources=SLOT))
     return StepInFlight(futures, writes)
 
 
@@ -158,12 +164,13 @@ def evaluate(client: Client, heldout, source: TaskSource, cfg: RunConfig, versio
              step: int) -> tuple[dict, list[Future]]:
     """Pass rate and mean reward of the policy now on the engines, on the held-out tasks; and the
     writes of those executions (split ``heldout``) into the archive's ``step``."""
-    futures, writes = [], []
+    futures = []
     for i, task in enumerate(heldout):
         eid = f"eval-v{version}-{i}"
         futures.append(client.submit(run_execution, task, source.agent(), eid, step, 0, cfg.rl.seed, cfg.rl.retries,
                                      key=eid, resources=SLOT))
-        writes.append(client.submit(write_execution, str(archive), futures[-1], key=f"archive-{eid}", resources=SLOT))
+    writes = [client.submit(write_executions, str(archive), futures, f"eval-v{version}", key=f"archive-eval-v{version}",
+                            resources=SLOT)]
     results = client.gather(futures)
     # Executions the system failed are no verdict on the policy: rates are over the others.
     judged = [r for r in results if not r.dropped] or results
@@ -189,7 +196,7 @@ def finish(client, sf: StepInFlight, cfg, heldout, source, archive, report, log,
         ev, eval_writes = {"pass_rate": None, "mean_reward": None}, []
     results = client.gather(sf.futures.executions)
     judged = [r for r in results if not r.dropped] or results
-    summaries = client.gather(sf.writes + eval_writes)
+    summaries = [s for written in client.gather(sf.writes + eval_writes) for s in written]
     tokens = int(sum(r.tokens_generated for r in results))
     summary = {"version": version, "heldout_pass_rate": ev["pass_rate"],
                "mean_reward": float(np.mean([r.reward for r in judged])), "tokens_generated": tokens,

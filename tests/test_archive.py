@@ -21,6 +21,7 @@ from gyreflow.storage import (
     commit_step,
     create_archive,
     execution_arrays,
+    write_executions,
     open_datatree,
     write_execution,
 )
@@ -137,12 +138,18 @@ def agent_execution(eid: str, step: int, n_calls: int = 12, seed: int = 0) -> Ex
     return ExecutionResult(eid, "task", step, seed, "train", calls, 0.5, False, "done")
 
 
+def part(g, entry) -> dict[str, np.ndarray]:
+    """One execution's arrays from a segment with plain zarr: its slice of each."""
+    return {name: g[name][a:b] for name, (a, b) in entry["slices"].items()}
+
+
 def decode_calls(g) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each call's (prompt, completion) from a schema-2 group with plain zarr, as a reader without
-    gyreflow would: walk the call's node up to the root, join the runs, cut at its lengths."""
-    tokens, offsets, parent = g["tokens"][:], g["node_offsets"][:], g["node_parent"][:]
+    """Each call's (prompt, completion) from one execution's arrays (``part``) with plain numpy, as
+    a reader without gyreflow would: walk the call's node up to the root, join the runs, cut at
+    its lengths."""
+    tokens, offsets, parent = g["tokens"], g["node_offsets"], g["node_parent"]
     out = []
-    for raw in g["call_meta"][:]:
+    for raw in g["call_meta"]:
         m = json.loads(str(raw))
         node, runs = m["node"], []
         while node != -1:
@@ -154,34 +161,42 @@ def decode_calls(g) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def test_round_trip_through_plain_zarr(archive: str) -> None:
-    r = agent_execution("exec-a", 3, seed=7)
-    write_execution(archive, r)
+    runs = [agent_execution("exec-a", 3, seed=7), agent_execution("exec-b", 3, seed=8)]
+    write_executions(archive, runs, segment="group-a")
     commit_step(archive, 3, {"k": 1})
 
     root = zarr.open_group(archive, mode="r")
-    assert root.attrs["gyreflow_archive"] == 2
+    assert root.attrs["gyreflow_archive"] == 3
     assert root.attrs["committed_steps"] == [3]
-    g = root["steps/000003/executions/exec-a"]
-    assert g.attrs["gyreflow_execution"] == 2
-    calls = decode_calls(g)
-    logprobs, versions = g["logprobs"][:], g["versions"][:]
-    metas = [json.loads(s) for s in g["call_meta"][:]]
-    at = 0
-    for (prompt, completion), call, meta in zip(calls, r.calls, metas):
-        assert np.array_equal(prompt, call.prompt_ids) and np.array_equal(completion, call.completion_ids)
-        n = len(call.completion_ids)
-        assert np.array_equal(logprobs[at : at + n], call.logprobs)
-        assert np.array_equal(versions[at : at + n], call.versions)
-        at += n
-        assert {k: v for k, v in meta.items() if k not in ("node", "n_prompt", "n_completion")} == call.meta()
-    assert g.attrs["reward"] == r.reward and g.attrs["metrics"] == r.metrics
+    g = root["steps/000003/segments/group-a"]
+    assert g.attrs["gyreflow_segment"] == 3
+    entries = g.attrs["executions"]
+    assert [e["execution_id"] for e in entries] == ["exec-a", "exec-b"]
+    # The segment's arrays are its executions' one after the other.
+    for name in schema.TREE_ARRAYS:
+        assert entries[0]["slices"][name][0] == 0 and entries[0]["slices"][name][1] == entries[1]["slices"][name][0]
+        assert entries[1]["slices"][name][1] == g[name].shape[0]
+    for r, entry in zip(runs, entries):
+        mine = part(g, entry)
+        calls = decode_calls(mine)
+        metas = [json.loads(s) for s in mine["call_meta"]]
+        at = 0
+        for (prompt, completion), call, meta in zip(calls, r.calls, metas):
+            assert np.array_equal(prompt, call.prompt_ids) and np.array_equal(completion, call.completion_ids)
+            n = len(call.completion_ids)
+            assert np.array_equal(mine["logprobs"][at : at + n], call.logprobs)
+            assert np.array_equal(mine["versions"][at : at + n], call.versions)
+            at += n
+            assert {k: v for k, v in meta.items() if k not in ("node", "n_prompt", "n_completion")} == call.meta()
+        assert at == len(mine["logprobs"]) and len(calls) == len(r.calls)
+        assert entry["reward"] == r.reward and entry["metrics"] == r.metrics
+        # Every token is stored once per place in the tree, not once per call that saw it.
+        logical = sum(len(c.prompt_ids) + len(c.completion_ids) for c in r.calls)
+        stored = len(mine["tokens"])
+        assert entry["n_stored_tokens"] == stored and 3 * stored < logical, (stored, logical)
+        assert entry["n_prompt_tokens"] + entry["n_completion_tokens"] == logical
     for name, (dtype, dim, _) in schema.TREE_ARRAYS.items():
         assert g[name].metadata.dimension_names == (dim,)
-    # Every token is stored once per place in the tree, not once per call that saw it.
-    logical = sum(len(c.prompt_ids) + len(c.completion_ids) for c in r.calls)
-    stored = g["tokens"].shape[0]
-    assert g.attrs["n_stored_tokens"] == stored and 3 * stored < logical, (stored, logical)
-    assert g.attrs["n_prompt_tokens"] + g.attrs["n_completion_tokens"] == logical
 
 
 def test_schema_1_archives_still_open(tmp_path: Path) -> None:
@@ -205,15 +220,88 @@ def test_schema_1_archives_still_open(tmp_path: Path) -> None:
     writer.write_execution(new)
     writer.commit_step(2)
     reader = ArchiveReader(path)
-    assert reader.schema_version == 2 and reader.attrs["resumes"][-1]["upgraded_from"] == 1
+    assert reader.schema_version == 3 and reader.attrs["resumes"][-1]["upgraded_from"] == 1
     assert_same(new, reader.load_execution(2, "new"))
     assert_same(make_execution("execution-1-1", 1, n_calls=3, seed=11), reader.load_execution(1, "execution-1-1"))
+
+
+def test_schema_2_archives_still_open(tmp_path: Path) -> None:
+    """``tests/data/archive-v2.zarr`` was written by the schema-2 writer (one group per execution,
+    its call tree) from the executions below; it reads token-exact, and a resumed run adds
+    segments beside the old groups, all in one xarray view."""
+    import shutil
+
+    path = tmp_path / "v2.zarr"
+    shutil.copytree(Path(__file__).parent / "data" / "archive-v2.zarr", path)
+    reader = ArchiveReader(path)
+    assert reader.schema_version == 2 and reader.committed_steps == [0, 1]
+
+    def want(step: int) -> list[ExecutionResult]:
+        return [*(make_execution(f"execution-{step}-{k}", step, n_calls=3, seed=10 * step + k) for k in range(2)),
+                agent_execution(f"agent-{step}", step)]
+
+    for step in (0, 1):
+        for r in want(step):
+            assert_same(r, reader.load_execution(step, r.execution_id))
+    writer = ArchiveWriter(path, {"resumed": True})
+    new = [agent_execution("new-a", 2, seed=1), agent_execution("new-b", 2, seed=2)]
+    writer.write_executions(new, segment="group")
+    writer.commit_step(2)
+    reader = ArchiveReader(path)
+    assert reader.schema_version == 3 and reader.attrs["resumes"][-1]["upgraded_from"] == 2
+    for r in [*want(1), *new]:
+        assert_same(r, reader.load_execution(r.step, r.execution_id))
+    tree = reader.to_xarray()
+    assert sorted(tree["steps/000001/executions"].children) == ["agent-1", "execution-1-0", "execution-1-1"]
+    assert list(tree["steps/000002/segments"].children) == ["group"]
+
+
+def test_bad_segment_writes_are_refused(archive: str) -> None:
+    with pytest.raises(ValueError, match="no executions"):
+        write_executions(archive, [])
+    with pytest.raises(ValueError, match="steps \\[0, 1\\]"):
+        write_executions(archive, [make_execution("a", 0), make_execution("b", 1)])
+    with pytest.raises(ValueError, match="repeat: \\['a'\\]"):
+        write_executions(archive, [make_execution("a", 0), make_execution("a", 0, seed=2)])
+    with pytest.raises(ValueError, match="cannot be used as a zarr group name"):
+        write_executions(archive, [make_execution("a", 0)], segment="x/y")
+    # One execution in two segments: the step cannot be committed until one goes.
+    write_executions(archive, [make_execution("a", 0), make_execution("b", 0)], segment="first")
+    write_execution(archive, make_execution("a", 0, seed=5))
+    with pytest.raises(ValueError, match="execution 'a' is written twice"):
+        commit_step(archive, 0)
+
+
+def test_trees_built_for_training_are_stored_as_they_are(archive: str) -> None:
+    """Given the trajectory trees the pipeline built, a segment stores the same arrays as one that
+    builds them; a tree of other calls is not used."""
+    from dataclasses import replace
+
+    from gyreflow.trajectory.tree import build_tree
+
+    runs = [agent_execution(f"t{i}", 0, seed=i) for i in range(3)]
+    write_executions(archive, runs, segment="given", trees=[build_tree(r) for r in runs])
+    write_executions(archive, [replace(r, step=1) for r in runs], segment="built")
+    other = replace(agent_execution("t0", 2, seed=9), step=2)
+    write_executions(archive, [other], trees=[build_tree(runs[0])])  # same id, other calls
+    for step in (0, 1, 2):
+        commit_step(archive, step)
+    root = zarr.open_group(archive, mode="r")
+    for name in schema.TREE_ARRAYS:
+        given, built = root[f"steps/000000/segments/given/{name}"][:], root[f"steps/000001/segments/built/{name}"][:]
+        assert [str(x) for x in given] == [str(x) for x in built], name
+    reader = ArchiveReader(archive)
+    for r in runs:
+        assert_same(r, reader.load_execution(0, r.execution_id))
+    assert_same(other, reader.load_execution(2, "t0"))
+    with pytest.raises(ValueError, match="2 trees for 3 executions"):
+        write_executions(archive, [replace(r, step=3) for r in runs], trees=[build_tree(r) for r in runs[:2]])
 
 
 def test_a_damaged_tree_is_named_not_misread(archive: str) -> None:
     write_execution(archive, agent_execution("d", 0))
     commit_step(archive, 0)
-    g = zarr.open_group(archive, mode="r+")["steps/000000/executions/d"]
+    g = zarr.open_group(archive, mode="r+")["steps/000000/segments/d"]
     parent = g["node_parent"][:]
     parent[-1] = len(parent) + 5  # a node pointing outside the tree
     g["node_parent"][:] = parent
@@ -229,7 +317,7 @@ def test_arrays_of_several_chunks_round_trip(archive: str, monkeypatch) -> None:
     write_execution(archive, r)
     commit_step(archive, 0)
     assert_same(ArchiveReader(archive).load_execution(0, "long"), r)
-    g = zarr.open_group(archive, mode="r")["steps/000000/executions/long"]
+    g = zarr.open_group(archive, mode="r")["steps/000000/segments/long"]
     assert g["tokens"].nchunks > 2 and len(g["tokens"][:]) % 7 != 0
     stored = execution_arrays(r)
     for name in schema.TREE_ARRAYS:
@@ -240,12 +328,12 @@ def test_arrays_of_several_chunks_round_trip(archive: str, monkeypatch) -> None:
 def test_a_damaged_chunk_is_named(archive: str, damage: str) -> None:
     write_execution(archive, agent_execution("d", 0))
     commit_step(archive, 0)
-    chunk = Path(archive) / "steps/000000/executions/d/logprobs/c/0"
+    chunk = Path(archive) / "steps/000000/segments/d/logprobs/0"
     if damage == "missing":
         chunk.unlink()
     else:
         chunk.write_bytes(chunk.read_bytes()[:20])
-    with pytest.raises(ValueError, match="logprobs/c/0"):
+    with pytest.raises(ValueError, match="logprobs/0"):
         ArchiveReader(archive).load_execution(0, "d")
 
 
@@ -259,10 +347,12 @@ def test_readable_without_gyreflow(archive: str) -> None:
         import json, sys
         import numpy as np, xarray as xr, zarr
         root = zarr.open_group({archive!r}, mode="r")
-        g = root["steps/000000/executions/e1"]
-        tokens, offsets, parent = g["tokens"][:], g["node_offsets"][:], g["node_parent"][:]
+        g = root["steps/000000/segments/e1"]
+        (entry,) = g.attrs["executions"]
+        part = {{name: g[name][a:b] for name, (a, b) in entry["slices"].items()}}
+        tokens, offsets, parent = part["tokens"], part["node_offsets"], part["node_parent"]
         calls = []
-        for raw in g["call_meta"][:]:
+        for raw in part["call_meta"]:
             m = json.loads(str(raw))
             node, seq = m["node"], []
             while node != -1:
@@ -270,7 +360,7 @@ def test_readable_without_gyreflow(archive: str) -> None:
                 node = int(parent[node])
             calls.append(seq[m["n_prompt"]:m["n_prompt"] + m["n_completion"]])
         tree = xr.open_datatree({archive!r}, engine="zarr", consolidated=False)
-        ds = tree["steps/000000/executions/e1"].to_dataset()
+        ds = tree["steps/000000/segments/e1"].to_dataset()
         assert np.array_equal(ds["tokens"].values, g["tokens"][:])
         assert ds["logprobs"].dtype == np.float32
         assert "gyreflow" not in sys.modules
@@ -290,18 +380,21 @@ def test_readable_without_gyreflow(archive: str) -> None:
 
 def test_xarray_datatree(archive: str) -> None:
     runs = [make_execution(f"e{i}", 1, n_calls=3, seed=i) for i in range(3)]
-    for r in runs:
-        write_execution(archive, r)
+    write_executions(archive, runs[:2], segment="first-two")
+    write_execution(archive, runs[2])
     commit_step(archive, 1, {"loss": 2.0})
     tree = ArchiveReader(archive).to_xarray(chunks={})
     assert tree.attrs["committed_steps"] == [1]
     assert tree["steps/000001"].attrs["summary"] == {"loss": 2.0}
-    for r in runs:
-        ds = tree[f"steps/000001/executions/{r.execution_id}"].to_dataset()
-        assert ds.attrs["reward"] == r.reward
+    assert sorted(tree["steps/000001/segments"].children) == ["e2", "first-two"]
+    for seg, held in (("first-two", runs[:2]), ("e2", runs[2:])):
+        ds = tree[f"steps/000001/segments/{seg}"].to_dataset()
         lp = ds["logprobs"].values  # computed from lazy dask arrays
-        assert np.array_equal(lp, np.concatenate([c.logprobs for c in r.calls]))
-        assert ds.sizes["call"] == 3 and ds.sizes["node_boundary"] == ds.sizes["node"] + 1
+        for r, entry in zip(held, ds.attrs["executions"]):
+            assert entry["execution_id"] == r.execution_id and entry["reward"] == r.reward
+            a, b = entry["slices"]["logprobs"]
+            assert np.array_equal(lp[a:b], np.concatenate([c.logprobs for c in r.calls]))
+        assert ds.sizes["call"] == 3 * len(held) and ds.sizes["node_boundary"] == ds.sizes["node"] + len(held)
 
 
 def test_uncommitted_steps_are_invisible(archive: str) -> None:
@@ -311,7 +404,7 @@ def test_uncommitted_steps_are_invisible(archive: str) -> None:
     # A killed writer leaves a group not marked complete inside a step that does get committed.
     write_execution(archive, make_execution("c", 2, seed=3))
     zarr.open_group(archive, mode="r+").create_group(
-        "steps/000002/executions/killed", attributes={"gyreflow_execution": 1, "complete": False}
+        "steps/000002/segments/killed", attributes={"gyreflow_segment": 3, "complete": False}
     )
     commit_step(archive, 2)
 
@@ -327,7 +420,7 @@ def test_uncommitted_steps_are_invisible(archive: str) -> None:
     assert [r.execution_id for r in reader.iter_executions()] == ["a", "c"]
     tree = open_datatree(archive)
     assert sorted(tree["steps"].children) == ["000000", "000002"]
-    assert list(tree["steps/000002/executions"].children) == ["c"]
+    assert list(tree["steps/000002/segments"].children) == ["c"]
 
 
 def test_reopen_discards_partial_step_and_rolls_forward(archive: str) -> None:
@@ -375,9 +468,9 @@ def test_retry_replaces_and_committed_steps_are_immutable(archive: str) -> None:
     write_execution(archive, make_execution("z", 1, n_calls=5, seed=4))
     empty = make_execution("z", 1, n_calls=0, seed=4)
     write_execution(archive, empty)
-    group_dir = Path(archive) / "steps/000001/executions/z"
-    chunks = {f.relative_to(group_dir).as_posix() for f in group_dir.rglob("c/*")}
-    assert chunks == {"node_offsets/c/0"}  # offsets == [0]
+    group_dir = Path(archive) / "steps/000001/segments/z"
+    chunks = {f.relative_to(group_dir).as_posix() for f in group_dir.rglob("*") if f.name != "zarr.json" and f.is_file()}
+    assert chunks == {"node_offsets/0"}  # offsets == [0]
     commit_step(archive, 1)
     assert_same(empty, ArchiveReader(archive).load_execution(1, "z"))
 
@@ -482,7 +575,7 @@ def test_nothing_but_arrays_and_json(archive: str) -> None:
     codecs: set[str] = set()
     for f in Path(archive).rglob("*"):
         if f.is_file():
-            assert f.name == "zarr.json" or "/c/" in f.as_posix(), f
+            assert f.name == "zarr.json" or (f.name.isdigit() and f.parent.name in schema.TREE_ARRAYS), f
             if f.name == "zarr.json":
                 meta = json.loads(f.read_text())
                 codecs |= {c["name"] for c in meta.get("codecs", [])}
@@ -494,11 +587,28 @@ def test_chunks_are_the_bytes_zarr_writes(archive: str) -> None:
     """The writer encodes chunks itself: zarr, re-writing each array's data through its own
     codec pipeline (from the stored metadata), produces the same bytes."""
     write_execution(archive, agent_execution("b", 0))
-    group_dir = Path(archive) / "steps/000000/executions/b"
-    ours = {f.relative_to(group_dir).as_posix(): f.read_bytes() for f in group_dir.rglob("c/*")}
+    group_dir = Path(archive) / "steps/000000/segments/b"
+    ours = {f.relative_to(group_dir).as_posix(): f.read_bytes() for f in group_dir.rglob("*")
+            if f.is_file() and f.name != "zarr.json"}
     assert {k.split("/")[0] for k in ours} == set(schema.TREE_ARRAYS)
-    g = zarr.open_group(archive, mode="r+")["steps/000000/executions/b"]
+    g = zarr.open_group(archive, mode="r+")["steps/000000/segments/b"]
     for name in schema.TREE_ARRAYS:
         g[name][:] = g[name][:]
-    theirs = {f.relative_to(group_dir).as_posix(): f.read_bytes() for f in group_dir.rglob("c/*")}
+    theirs = {f.relative_to(group_dir).as_posix(): f.read_bytes() for f in group_dir.rglob("*")
+              if f.is_file() and f.name != "zarr.json"}
     assert ours == theirs
+
+
+def test_call_documents_are_the_json_of_the_call_s_meta() -> None:
+    """The field-by-field call document parses to what the generic JSON of ``CallRecord.meta``
+    holds (a second implementation), for awkward strings and non-finite floats too."""
+    odd = ['plain', 'quote " and \\ backslash', "new\nline\ttab", "ünïcödé ✓", "\x00\x1f", "},{"]
+    for i, text in enumerate(odd):
+        c = CallRecord(text, i, f"id-{text}", text, np.array([1, 2]), np.array([3]), np.array([-0.5], np.float32),
+                       np.array([1], np.int32), finish_reason=text, engine=text, t_start=float("nan") if i == 1 else 1.5e9 + i,
+                       t_end=float("inf") if i == 2 else 1e-7, temperature=0.7, top_p=1.0)
+        got = json.loads(schema.call_document(c, i - 1, 2, 1))
+        want = json.loads(schema.dumps(c.meta() | {"node": i - 1, "n_prompt": 2, "n_completion": 1}))
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == want[k] or (isinstance(want[k], float) and math.isnan(want[k]) and math.isnan(got[k])), k

@@ -112,13 +112,15 @@ def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
     root = zarr.open_group(str(out / "archive.zarr"), mode="r")
     committed = list(root.attrs["committed_steps"])
     assert committed[:2] == [0, 1]
-    # Every committed step is whole: each listed execution group is complete and has its arrays.
+    # Every committed step is whole: each listed execution is in a complete segment, with its arrays.
     for step in committed:
         group = root[f"steps/{step:06d}"]
-        for eid in group.attrs["executions"]:
-            ex = group[f"executions/{eid}"]
-            assert ex.attrs["complete"] is True
-            assert ex["call_meta"].shape[0] == ex.attrs["n_calls"]
+        for eid, entry in group.attrs["executions"].items():
+            seg = group[f"segments/{entry['segment']}"]
+            assert seg.attrs["complete"] is True
+            (mine,) = [e for e in seg.attrs["executions"] if e["execution_id"] == eid]
+            a, b = mine["slices"]["call_meta"]
+            assert b - a == entry["n_calls"] and b <= seg["call_meta"].shape[0]
 
 
 def test_pool_configs_that_cannot_work_are_refused(tmp_path):

@@ -67,8 +67,9 @@ def engine_stats(client: Client) -> dict[str, dict]:
 
 def publish_all(client: Client) -> None:
     from gyreflow.bench.stages import emulated_publish
+    from gyreflow.train.state import PublishedWeights
 
-    done = [client.submit(emulated_publish, {"version": 0, "run": "stress"}, workers=[a], allow_other_workers=False,
+    done = [client.submit(emulated_publish, PublishedWeights(0, "stress"), workers=[a], allow_other_workers=False,
                           pure=False) for a in cells(client).values()]
     wait(done, timeout=60)
 

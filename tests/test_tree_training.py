@@ -381,3 +381,19 @@ def test_tree_estimator_packs_per_token_advantages_into_tree_samples():
     assert a.tokens == b.tokens
     for name, g in a.grads.items():
         np.testing.assert_allclose(b.grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_group_relative_estimators_give_the_same_on_the_group_tree_as_on_a_flat_one(estimator):
+    """They are handed a flat tree (one node per execution); on the real group tree they give each
+    token of an execution the same advantage."""
+    from gyreflow.algo import ADVANTAGES, GroupTree
+    from gyreflow.trajectory.group import group_tree
+
+    trees = [build_tree(ExecutionResult(f"e{i}", "t", 0, i, "train", make(), r, False, "done"))
+             for i, (make, r) in enumerate([(best_of_n, 1.0), (sub_agents, 0.0), (retries, 0.2), (chain, 0.7)])]
+    group, token_nodes = group_tree(trees)
+    on_tree = ADVANTAGES.get(estimator)(group)  # (K, G)
+    flat = np.diag(ADVANTAGES.get(estimator)(GroupTree.flat(group.rewards)))  # (G,)
+    for g, nodes in enumerate(token_nodes):
+        np.testing.assert_allclose(on_tree[nodes, g], flat[g], rtol=1e-12)

@@ -114,7 +114,16 @@ def rloo(group: GroupTree) -> np.ndarray:
     return group.spread(centred * (g / (g - 1)) if g > 1 else centred)
 
 
+def node_level(fn):
+    """Mark an estimator that reads the group tree's structure. The others give each execution one
+    advantage, so a flat tree (:meth:`GroupTree.flat`) gives them the same result at no cost, and
+    callers pass one."""
+    fn.node_level = True
+    return fn
+
+
 @ADVANTAGES.register("tree")
+@node_level
 def tree(group: GroupTree) -> np.ndarray:
     """Node advantages from the group's prefix tree (global plus local, as TreeRL defines them).
 

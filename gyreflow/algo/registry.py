@@ -28,7 +28,10 @@ class AdvantageFn(Protocol):
 
     def __call__(self, group: GroupTree, **kwargs: Any) -> np.ndarray:
         """Map the group's prefix tree (``K`` nodes, ``G`` executions and their rewards) to the
-        advantage ``(K, G)`` float64 of each node for each execution that reached it (0 elsewhere)."""
+        advantage ``(K, G)`` float64 of each node for each execution that reached it (0 elsewhere).
+
+        An estimator that reads the tree's structure is marked ``node_level``
+        (:func:`~gyreflow.algo.advantages.node_level`); the others are handed a flat tree."""
         ...
 
 

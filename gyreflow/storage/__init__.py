@@ -1,7 +1,8 @@
 """The zarr v3 trajectory archive: one per run, arrays and JSON only.
 
 Driver side: ``create_archive`` / ``ArchiveWriter`` and ``commit_step``. Task side:
-``write_execution`` (one group per execution, safe to call concurrently). Reading:
+``write_executions`` (one segment per call, e.g. a task's samples; safe to call concurrently)
+and ``write_execution`` (a segment of one). Reading:
 ``ArchiveReader`` and ``open_datatree``. The format is specified in ``storage/README.md``.
 """
 
@@ -14,6 +15,7 @@ from gyreflow.storage.writer import (
     create_archive,
     execution_arrays,
     write_execution,
+    write_executions,
 )
 
 __all__ = [
@@ -27,4 +29,5 @@ __all__ = [
     "open_datatree",
     "split_ragged",
     "write_execution",
+    "write_executions",
 ]

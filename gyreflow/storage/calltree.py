@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
-from gyreflow.trajectory.tree import build_tree
+from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -30,9 +30,19 @@ class CallTree:
     call_completion: np.ndarray  # (n_calls,) int64, completion length
 
     @classmethod
-    def of(cls, calls: list[CallRecord]) -> CallTree:
-        """The tree of ``calls`` (in the given order)."""
-        tree = build_tree(ExecutionResult("storage", "", 0, 0, "train", list(calls), 0.0, False, "done"))
+    def of(cls, calls: list[CallRecord], tree: TrajectoryTree | None = None) -> CallTree:
+        """The tree of ``calls`` (in the given order); ``tree``: their trajectory tree where one was
+        built already (``build_tree`` of these calls), used unless it fails a check of each call's
+        length, first and last token against it (then the tree is built again)."""
+        if tree is not None and tree.call_node is not None and tree.n_calls == len(calls):
+            given = cls._placed(calls, tree)
+            if given._ends_match(calls):
+                return given
+        return cls._placed(calls, build_tree(ExecutionResult("storage", "", 0, 0, "train", list(calls), 0.0, False,
+                                                             "done")))
+
+    @classmethod
+    def _placed(cls, calls: list[CallRecord], tree: TrajectoryTree) -> CallTree:
         order = sorted(range(len(calls)), key=lambda k: calls[k].call_index)  # build_tree's (stable) order
         nodes = np.empty(len(calls), np.int32)
         nodes[order] = tree.call_node
@@ -40,24 +50,67 @@ class CallTree:
                    np.array([len(c.prompt_ids) for c in calls], np.int64),
                    np.array([len(c.completion_ids) for c in calls], np.int64))
 
-    def sequence(self, k: int) -> np.ndarray:
-        """Call ``k``'s prompt and completion, concatenated, as the tree stores them.
+    def _ends_match(self, calls: list[CallRecord]) -> bool:
+        """Each call ends inside its node, on its own last token, and its path starts with its first
+        token: what tells a tree of other calls (a wrong one handed in) at a cost of O(calls + nodes)."""
+        n = len(self.node_parent)
+        sizes = np.diff(self.node_offsets)  # (N,)
+        depth = np.zeros(n, np.int64)  # (N,) path length before each node
+        root = np.arange(n)  # (N,) first node of each node's path
+        for i in range(n):  # pre-order: a parent comes first
+            p = int(self.node_parent[i])
+            if p >= 0:
+                depth[i], root[i] = depth[p] + sizes[p], root[p]
+        lengths = self.call_prompt + self.call_completion  # (C,)
+        placed = self.call_node >= 0
+        if np.any(lengths[~placed] != 0):
+            return False
+        node, length = self.call_node[placed], lengths[placed]
+        if np.any(length <= depth[node]) or np.any(length > depth[node] + sizes[node]):
+            return False
+        seqs = [(c.prompt_ids, c.completion_ids) for c, keep in zip(calls, placed) if keep]
+        first = np.array([p[0] if len(p) else q[0] for p, q in seqs], np.int64)
+        last = np.array([q[-1] if len(q) else p[-1] for p, q in seqs], np.int64)
+        return (np.array_equal(self.tokens[self.node_offsets[node] + length - depth[node] - 1], last)
+                and np.array_equal(self.tokens[self.node_offsets[root[node]]], first))
+
+    def sequences(self) -> list[np.ndarray]:
+        """Every call's prompt and completion, concatenated, as the tree stores them: views of one
+        token array per node that calls end in (an agent's calls mostly end in a few nodes).
 
         Raises
         ------
         ValueError
-            If the stored arrays cannot hold the call (a damaged group).
+            If the stored arrays cannot hold a call (a damaged group).
         """
-        node, path = int(self.call_node[k]), []
-        n = len(self.node_parent)
+        paths: dict[int, tuple[np.ndarray, int]] = {}  # node -> (its path's tokens, where the node starts)
+        out = []
+        for k in range(len(self.call_node)):
+            node = int(self.call_node[k])
+            if node not in paths:
+                paths[node] = self._path(k, node)
+            seq, before = paths[node]
+            length = int(self.call_prompt[k] + self.call_completion[k])
+            if len(seq) < length or (node >= 0 and before >= length) or (node < 0 and length):
+                raise ValueError(f"call {k}: {length} tokens do not end in node {node}")
+            out.append(seq[:length])
+        return out
+
+    def _path(self, k: int, node: int) -> tuple[np.ndarray, int]:
+        """The tokens from the root to the end of ``node`` and the length before ``node`` starts."""
+        path, n = [], len(self.node_parent)
         while node >= 0:
             if node >= n or len(path) > n:
                 raise ValueError(f"call {k}: node {node} is not in the tree")
             path.append(node)
             node = int(self.node_parent[node])
-        runs = [self.tokens[self.node_offsets[i] : self.node_offsets[i + 1]] for i in reversed(path)]
-        seq = np.concatenate(runs) if runs else _EMPTY
-        length = int(self.call_prompt[k] + self.call_completion[k])
-        if len(seq) < length or (path and len(seq) - len(runs[-1]) >= length):
-            raise ValueError(f"call {k}: {length} tokens do not end in node {int(self.call_node[k])}")
-        return seq[:length]
+        if not path:
+            return _EMPTY, 0
+        path.reverse()
+        start, before, end = (int(self.node_offsets[i]) for i in (path[0], path[-1], path[-1] + 1))
+        if path[-1] - path[0] == len(path) - 1:
+            # Each node the first child of the one before: the path lies contiguous in pre-order.
+            return self.tokens[start:end], before - start
+        seq = np.concatenate([self.tokens[self.node_offsets[i] : self.node_offsets[i + 1]] for i in path])
+        return seq, len(seq) - (end - before)
+

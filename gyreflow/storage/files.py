@@ -1,6 +1,6 @@
-"""Execution groups as files in a local archive directory, written and read directly.
+"""Segment groups as files in a local archive directory, written and read directly.
 
-An execution group is a dozen small files. Through zarr's store API each costs ~0.3 ms (its event
+A segment (or a version-2 execution group) is a dozen small files. Through zarr's store API each costs ~0.3 ms (its event
 loop hands every file to a worker thread); written or read here they cost tens of microseconds.
 The bytes are exactly zarr's (:func:`schema.array_metadata`, :func:`schema.encode_chunk`), so zarr
 and xarray open the groups as usual; a group in any other layout is left to zarr.
@@ -52,11 +52,12 @@ def read_json(path: Path) -> dict[str, Any]:
     return doc
 
 
-def write_group(root: Path, group_path: str, arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> None:
-    """Write an execution group with all its arrays, its final attributes last.
+def write_group(root: Path, group_path: str, arrays: dict[str, np.ndarray], attrs: dict[str, Any],
+                pending: dict[str, Any]) -> None:
+    """Write a group of ``TREE_ARRAYS`` with attributes ``pending`` first and ``attrs`` last.
 
     What a previous attempt left is deleted first. Missing parent groups (the step and its
-    executions group) are created empty; writers racing on one write identical bytes.
+    segments group) are created empty; writers racing on one write identical bytes.
     """
     group = root / group_path
     for parent in (group.parent.parent, group.parent):
@@ -65,21 +66,19 @@ def write_group(root: Path, group_path: str, arrays: dict[str, np.ndarray], attr
             _replace(parent / ZARR_JSON, _group_doc({}))
     shutil.rmtree(group, ignore_errors=True)
     group.mkdir(parents=True)
-    (group / ZARR_JSON).write_bytes(
-        _group_doc({schema.EXECUTION_MARKER: schema.SCHEMA_VERSION, "complete": False}))
+    (group / ZARR_JSON).write_bytes(_group_doc(pending))
     for name, data in arrays.items():
         os.mkdir(group / name)
-        os.mkdir(group / name / "c")
         (group / name / ZARR_JSON).write_bytes(json.dumps(schema.array_metadata(name, len(data))).encode())
         for i, chunk in enumerate(schema.chunks(name, data)):
-            (group / name / "c" / str(i)).write_bytes(chunk)
+            (group / schema.chunk_key(name, i)).write_bytes(chunk)
     _replace(group / ZARR_JSON, _group_doc(attrs))
 
 
 def read_group(root: Path, group_path: str) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
-    """Attributes and arrays of a schema-2 execution group as :func:`write_group` lays it out; the
-    arrays are ``None`` for a group in any other layout (version 1, other codecs or chunks: read
-    those with zarr).
+    """Attributes and arrays of a segment or a version-2 execution group as :func:`write_group`
+    lays them out; the arrays are ``None`` for a group in any other layout (version 1, other codecs
+    or chunks: read those with zarr).
 
     Raises
     ------
@@ -89,14 +88,14 @@ def read_group(root: Path, group_path: str) -> tuple[dict[str, Any], dict[str, n
     """
     group = root / group_path
     attrs = read_json(group / ZARR_JSON).get("attributes", {})
-    if attrs.get(schema.EXECUTION_MARKER) != schema.SCHEMA_VERSION:
+    if attrs.get(schema.SEGMENT_MARKER) != schema.SEGMENT_VERSION and attrs.get(schema.EXECUTION_MARKER) != 2:
         return attrs, None
     arrays = {}
     for name in schema.TREE_ARRAYS:
         try:
             doc = read_json(group / name / ZARR_JSON)
         except FileNotFoundError:
-            raise ValueError(f"execution group {str(group)!r} is corrupt: array {name!r} is missing") from None
+            raise ValueError(f"group {str(group)!r} is corrupt: array {name!r} is missing") from None
         shape = doc.get("shape")
         if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)):
             return attrs, None
@@ -105,11 +104,11 @@ def read_group(root: Path, group_path: str) -> tuple[dict[str, Any], dict[str, n
             return attrs, None
         parts = []
         for i in range(-(-length // schema.CHUNK_ELEMENTS)):
-            chunk = group / name / "c" / str(i)
+            chunk = group / schema.chunk_key(name, i)
             try:
                 data = chunk.read_bytes()
             except FileNotFoundError:
-                raise ValueError(f"execution group {str(group)!r} is corrupt: chunk {name}/c/{i} is missing") from None
+                raise ValueError(f"group {str(group)!r} is corrupt: chunk {schema.chunk_key(name, i)} is missing") from None
             parts.append(schema.decode_chunk(name, data, min(schema.CHUNK_ELEMENTS, length - i * schema.CHUNK_ELEMENTS),
                                              where=str(chunk)))
         if not parts:  # an empty array has no chunk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -16,7 +17,7 @@ from zarr.core.sync import sync
 
 from gyreflow.storage import files, schema
 from gyreflow.storage.calltree import CallTree
-from gyreflow.storage.writer import PathLike, open_root
+from gyreflow.storage.writer import PathLike, root_attributes
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
 
 _CALL_FIELDS = {f.name for f in fields(CallRecord)} - {
@@ -25,6 +26,10 @@ _CALL_FIELDS = {f.name for f in fields(CallRecord)} - {
     "logprobs",
     "versions",
 }
+
+
+SEGMENT_CACHE_BYTES = 256 << 20
+"""Decoded segments an :class:`ArchiveReader` keeps (least recently used first out; at least one)."""
 
 
 def split_ragged(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
@@ -53,14 +58,14 @@ class ArchiveReader:
 
     def __init__(self, path: PathLike) -> None:
         self.path = str(path)
-        self._root = open_root(self.path, mode="r")
-        self._attrs: dict[str, Any] = dict(self._root.attrs)
+        self._attrs: dict[str, Any] = root_attributes(self.path)
         self._steps: dict[int, dict[str, Any]] = {}
+        self._segments: OrderedDict[tuple[int, str], tuple[dict, dict]] = OrderedDict()
+        self._cached = 0
 
     def refresh(self) -> None:
         """Re-read the root attributes (new commits, run metadata)."""
-        self._root = open_root(self.path, mode="r")
-        self._attrs = dict(self._root.attrs)
+        self._attrs = root_attributes(self.path)
 
     @property
     def schema_version(self) -> int:
@@ -96,15 +101,19 @@ class ArchiveReader:
                     f"step {step!r} of archive {self.path!r} {state}; "
                     f"committed steps: {self.committed_steps}"
                 )
-            self._steps[step] = dict(self._root[schema.step_path(step)].attrs)
+            doc = Path(self.path) / schema.step_path(step) / files.ZARR_JSON
+            try:
+                self._steps[step] = dict(files.read_json(doc).get("attributes", {}))
+            except FileNotFoundError:
+                raise ValueError(f"committed step {step} of archive {self.path!r} has no step group") from None
         return self._steps[step]
 
     def _has_group(self, step: Any) -> bool:
         try:
-            self._root[schema.step_path(step)]
-        except (KeyError, ValueError):
+            step_path = schema.step_path(step)
+        except ValueError:
             return False
-        return True
+        return (Path(self.path) / step_path / files.ZARR_JSON).is_file()
 
     def summary(self, step: int) -> dict[str, Any]:
         """The free-form summary passed to ``commit_step``."""
@@ -127,10 +136,19 @@ class ArchiveReader:
             If the step is not committed, or the execution is not part of it, or its arrays
             disagree with their offsets.
         """
-        if execution_id not in self.step_info(step)["executions"]:
+        index = self.step_info(step)["executions"]
+        if execution_id not in index:
             raise ValueError(
                 f"execution {execution_id!r} is not in committed step {step} of {self.path!r}"
             )
+        segment = index[execution_id].get("segment")
+        if segment is not None:
+            entries, arrays = self._segment(step, segment)
+            where = f"{self.path}:{schema.segment_path(step, segment)}"
+            if execution_id not in entries:
+                raise ValueError(f"segment {where!r} is corrupt: it does not hold execution {execution_id!r}")
+            meta = entries[execution_id]
+            return _to_result(meta, _slice(arrays, meta.get("slices"), f"{where} ({execution_id})"), where, 2)
         path = schema.execution_path(step, execution_id)
         try:
             attrs, arrays = files.read_group(Path(self.path), path)
@@ -138,7 +156,33 @@ class ArchiveReader:
             raise ValueError(f"execution group {self.path}:{path} is missing from committed step {step}") from None
         if arrays is None:  # another layout (version 1): through zarr
             attrs, arrays = sync(_read_group(self.path, path))
-        return _to_result(attrs, arrays, where=f"{self.path}:{path}")
+        if attrs.get("complete") is not True:
+            raise ValueError(f"execution group {self.path}:{path!r} is incomplete")
+        return _to_result(attrs, arrays, f"{self.path}:{path}", attrs.get(schema.EXECUTION_MARKER))
+
+    def _segment(self, step: int, segment: str) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
+        """A segment's execution entries by id and its arrays, decoded once while they stay in the
+        cache (iterating a step reads each segment once)."""
+        key = (step, segment)
+        if key in self._segments:
+            self._segments.move_to_end(key)
+            return self._segments[key]
+        path = schema.segment_path(step, segment)
+        try:
+            attrs, arrays = files.read_group(Path(self.path), path)
+        except FileNotFoundError:
+            raise ValueError(f"segment {self.path}:{path} is missing from committed step {step}") from None
+        if arrays is None:  # rewritten in another layout: through zarr
+            attrs, arrays = sync(_read_group(self.path, path))
+        if attrs.get("complete") is not True:
+            raise ValueError(f"segment {self.path}:{path!r} is incomplete")
+        entries = {e["execution_id"]: e for e in attrs.get("executions", [])}
+        self._segments[key] = (entries, arrays)
+        self._cached += sum(a.nbytes for a in arrays.values())
+        while self._cached > SEGMENT_CACHE_BYTES and len(self._segments) > 1:
+            _, (_, old) = self._segments.popitem(last=False)
+            self._cached -= sum(a.nbytes for a in old.values())
+        return entries, arrays
 
     def iter_executions(
         self, split: str | None = None, steps: Iterable[int] | None = None
@@ -193,7 +237,12 @@ def _calls_v1(arrays: Mapping[str, np.ndarray], where: str) -> list[tuple[np.nda
 
 def _calls_v2(arrays: Mapping[str, np.ndarray], where: str) -> list[tuple[np.ndarray, np.ndarray, dict]]:
     """(prompt, completion, meta) of each call of a version-2 group: sequences cut from the tree."""
-    metas = [json.loads(str(m)) for m in arrays["call_meta"]]
+    try:  # one parse for all the calls' documents
+        metas = json.loads("[" + ",".join(map(str, arrays["call_meta"])) + "]")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"execution group {where!r} is corrupt: call_meta is not JSON ({err})") from None
+    if not all(isinstance(m, dict) for m in metas):
+        raise ValueError(f"execution group {where!r} is corrupt: a call_meta entry is not a JSON object")
     offsets, parent = arrays["node_offsets"], arrays["node_parent"]
     if len(offsets) != len(parent) + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(arrays["tokens"]):
         raise ValueError(f"execution group {where!r} is corrupt: node offsets do not span the tokens")
@@ -203,8 +252,7 @@ def _calls_v2(arrays: Mapping[str, np.ndarray], where: str) -> list[tuple[np.nda
                         np.array([m.pop("n_prompt") for m in metas], np.int64),
                         np.array([m.pop("n_completion") for m in metas], np.int64))
         out = []
-        for k, meta in enumerate(metas):
-            seq = tree.sequence(k)
+        for k, (meta, seq) in enumerate(zip(metas, tree.sequences())):
             p = int(tree.call_prompt[k])
             out.append((seq[:p], seq[p:], meta))
     except (KeyError, ValueError) as err:
@@ -212,19 +260,31 @@ def _calls_v2(arrays: Mapping[str, np.ndarray], where: str) -> list[tuple[np.nda
     return out
 
 
-def _to_result(
-    attrs: Mapping[str, Any], arrays: Mapping[str, np.ndarray], where: str
-) -> ExecutionResult:
-    """Rebuild an ``ExecutionResult`` from an execution group's attributes and arrays."""
-    if attrs.get("complete") is not True:
-        raise ValueError(f"execution group {where!r} is incomplete")
-    parts = (_calls_v1 if attrs.get(schema.EXECUTION_MARKER) == 1 else _calls_v2)(arrays, where)
-    ends = np.cumsum([0] + [len(c) for _, c, _ in parts])
-    if not len(arrays["logprobs"]) == len(arrays["versions"]) == int(ends[-1]):
+def _slice(arrays: Mapping[str, np.ndarray], slices: Any, where: str) -> dict[str, np.ndarray]:
+    """One execution's part of a segment's arrays, by its ``slices``."""
+    out = {}
+    for name in schema.TREE_ARRAYS:
+        try:
+            a, b = (int(x) for x in slices[name])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"segment {where!r} is corrupt: no slice of {name!r}") from None
+        if not 0 <= a <= b <= len(arrays[name]):
+            raise ValueError(f"segment {where!r} is corrupt: slice {[a, b]} of {name!r} is outside its "
+                             f"{len(arrays[name])} elements")
+        out[name] = arrays[name][a:b]
+    return out
+
+
+def _to_result(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], where: str, layout: int) -> ExecutionResult:
+    """Rebuild an ``ExecutionResult`` from an execution's metadata and arrays (``layout`` 1: whole
+    prompts per call; 2: the call tree)."""
+    parts = (_calls_v1 if layout == 1 else _calls_v2)(arrays, where)
+    ends = np.cumsum([0] + [len(c) for _, c, _ in parts]).tolist()
+    if not len(arrays["logprobs"]) == len(arrays["versions"]) == ends[-1]:
         raise ValueError(f"execution group {where!r} is corrupt: arrays disagree with offsets")
     calls = []
-    for i, (prompt, completion, meta) in enumerate(parts):
-        known = {k: v for k, v in meta.items() if k in _CALL_FIELDS}
+    for i, (prompt, completion, call) in enumerate(parts):
+        known = call if call.keys() <= _CALL_FIELDS else {k: v for k, v in call.items() if k in _CALL_FIELDS}
         calls.append(
             CallRecord(
                 **known,
@@ -235,17 +295,17 @@ def _to_result(
             )
         )
     return ExecutionResult(
-        execution_id=attrs["execution_id"],
-        task_id=attrs["task_id"],
-        step=int(attrs["step"]),
-        sample=int(attrs["sample"]),
-        split=attrs["split"],
+        execution_id=meta["execution_id"],
+        task_id=meta["task_id"],
+        step=int(meta["step"]),
+        sample=int(meta["sample"]),
+        split=meta["split"],
         calls=calls,
-        reward=attrs["reward"],
-        passed=bool(attrs["passed"]),
-        end_reason=attrs["end_reason"],
-        metrics=dict(attrs.get("metrics") or {}),
-        worker=attrs.get("worker", ""),
+        reward=meta["reward"],
+        passed=bool(meta["passed"]),
+        end_reason=meta["end_reason"],
+        metrics=dict(meta.get("metrics") or {}),
+        worker=meta.get("worker", ""),
     )
 
 
@@ -273,7 +333,9 @@ def open_datatree(
     Returns
     -------
     xarray.DataTree
-        Root attributes on the root node; nodes ``steps/<step>/executions/<id>``.
+        Root attributes on the root node; nodes ``steps/<step>/segments/<name>`` (each segment's
+        executions listed, with their slices, in its ``executions`` attribute) and, for steps
+        written before segments, ``steps/<step>/executions/<id>``.
     """
     import xarray as xr  # imported here: reading tokens with gyreflow never needs xarray
 
@@ -281,7 +343,9 @@ def open_datatree(
     selected = reader.committed_steps if steps is None else list(steps)
     nodes: dict[str, Any] = {"/": xr.Dataset(attrs=reader.attrs)}
     for step in selected:
-        keep = set(reader.executions(step))
+        index = reader.execution_index(step)
+        keep = {eid for eid, e in index.items() if "segment" not in e}
+        segments = {e["segment"] for e in index.values() if "segment" in e}
         sub = xr.open_datatree(
             str(path),
             engine="zarr",
@@ -289,10 +353,12 @@ def open_datatree(
             consolidated=False,
             chunks=chunks,
         )
-        execs = sub.children.get(schema.EXECUTIONS)
         base = schema.step_path(step)
         nodes[base] = xr.Dataset(attrs=sub.attrs)
-        nodes[f"{base}/{schema.EXECUTIONS}"] = xr.Dataset()
-        for eid in sorted(keep):
-            nodes[f"{base}/{schema.EXECUTIONS}/{eid}"] = execs[eid].to_dataset(inherit=False)
+        for kind, names in ((schema.EXECUTIONS, keep), (schema.SEGMENTS, segments)):
+            if names:
+                groups = sub.children[kind]
+                nodes[f"{base}/{kind}"] = xr.Dataset()
+                for name in sorted(names):
+                    nodes[f"{base}/{kind}/{name}"] = groups[name].to_dataset(inherit=False)
     return xr.DataTree.from_dict(nodes)

@@ -7,23 +7,29 @@ that the writer and the reader cannot drift apart.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 2
-"""Value of the root attribute ``gyreflow_archive``; readers refuse larger values. Version 2 stores
-each execution as its token tree (``TREE_ARRAYS``); version 1 stored every call's whole prompt
-(``CALL_ARRAYS``), and its groups stay readable."""
+SCHEMA_VERSION = 3
+"""Value of the root attribute ``gyreflow_archive``; readers refuse larger values. Version 3 writes
+executions in *segments*: one group per write holding the token trees (``TREE_ARRAYS``) of one or
+more executions, concatenated. Version 2 wrote one group per execution (its tree), version 1 one
+group per execution with every call's whole prompt (``CALL_ARRAYS``); both stay readable."""
 
 ARCHIVE_NAME = "archive.zarr"
 """File name of a run's archive inside its run directory."""
 
 ROOT_MARKER = "gyreflow_archive"
 EXECUTION_MARKER = "gyreflow_execution"
+SEGMENT_MARKER = "gyreflow_segment"
+SEGMENT_VERSION = 3
+"""Value of ``gyreflow_segment`` on segment groups (the layout they share with version-2 groups)."""
 
 STEPS = "steps"
 EXECUTIONS = "executions"
+SEGMENTS = "segments"
 CHUNK_ELEMENTS = 1 << 20
 """Chunk length along every flat array: 4 MiB of int32, large enough that a typical execution
 is one chunk per array (few files, one codec call) and small enough that a slice read of a
@@ -39,7 +45,8 @@ TREE_ARRAYS: dict[str, tuple[str, str, Any]] = {
     "versions": ("int32", "completion_token", -1),
     "call_meta": ("string", "call", ""),
 }
-"""Execution groups of version 2 (``gyreflow_execution: 2``): the call tree."""
+"""Arrays of a segment (``gyreflow_segment: 3``: its executions' call trees, concatenated, each
+execution's part named by its ``slices``) and of a version-2 execution group (one call tree)."""
 
 CALL_ARRAYS: dict[str, tuple[str, str, Any]] = {
     "prompt_tokens": ("int32", "prompt_token", -1),
@@ -155,7 +162,9 @@ def array_metadata(name: str, length: int) -> dict[str, Any]:
         "shape": [length],
         "data_type": data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        # Chunk i at "<array>/i" (zarr's "v2" key encoding), not "<array>/c/i": one directory
+        # fewer per array, and the arrays are one-dimensional so no separator ever appears.
+        "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
         "fill_value": fill,
         "codecs": codecs(data_type),
         "attributes": {},
@@ -181,6 +190,12 @@ def execution_path(step: int, execution_id: str) -> str:
     return f"{step_path(step)}/{EXECUTIONS}/{execution_id}"
 
 
+def segment_path(step: int, segment: str) -> str:
+    """Path of a segment group relative to the archive root."""
+    check_execution_id(segment)
+    return f"{step_path(step)}/{SEGMENTS}/{segment}"
+
+
 def check_execution_id(execution_id: str) -> None:
     """Reject ids that are not a single, portable zarr node name.
 
@@ -201,6 +216,11 @@ def check_execution_id(execution_id: str) -> None:
         raise ValueError(f"execution_id {execution_id!r} cannot be used as a zarr group name")
 
 
+def chunk_key(name: str, i: int) -> str:
+    """Path of chunk ``i`` of array ``name`` inside its group (see :func:`array_metadata`)."""
+    return f"{name}/{i}"
+
+
 def _json_default(obj: Any) -> Any:
     # numpy scalars and arrays turn up in metrics dicts; store them as plain JSON values.
     if isinstance(obj, np.generic):
@@ -212,13 +232,40 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON-serialisable (archives hold JSON only)")
 
 
+def call_document(call: Any, node: int, n_prompt: int, n_completion: int) -> str:
+    """One ``call_meta`` entry: the call's :meth:`~gyreflow.trajectory.records.CallRecord.meta`
+    and where it lies in the tree, as the JSON :func:`dumps` writes, assembled field by field
+    (an archive write makes one per call; the generic encoder costs several times more)."""
+    return (f'{{"execution_id":{_str(call.execution_id)},"call_index":{int(call.call_index)},'
+            f'"call_id":{_str(call.call_id)},"role":{_str(call.role)},"finish_reason":{_str(call.finish_reason)},'
+            f'"engine":{_str(call.engine)},"t_start":{_float(call.t_start)},"t_end":{_float(call.t_end)},'
+            f'"temperature":{_float(call.temperature)},"top_p":{_float(call.top_p)},'
+            f'"node":{int(node)},"n_prompt":{int(n_prompt)},"n_completion":{int(n_completion)}}}')
+
+
+def _str(value: Any) -> str:
+    return encode_basestring(str(value))
+
+
+def _float(value: Any) -> str:
+    x = float(value)
+    if x != x:
+        return "NaN"
+    if x in (float("inf"), float("-inf")):
+        return "Infinity" if x > 0 else "-Infinity"
+    return repr(x)
+
+
+_ENCODER = json.JSONEncoder(default=_json_default, separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(obj: Any) -> str:
     """Serialise to compact JSON; numpy values become plain numbers/lists.
 
     Non-finite floats are written as ``NaN``/``Infinity`` (Python's json dialect, which zarr also
     uses for attributes), so a NaN reward survives a round trip.
     """
-    return json.dumps(obj, default=_json_default, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(obj)
 
 
 def to_json(obj: Any) -> Any:

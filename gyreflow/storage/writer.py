@@ -4,7 +4,8 @@ Three writers touch an archive, each with its own files, so no two ever write th
 once:
 
 * ``create_archive`` / ``ArchiveWriter`` (driver): the root group and its attributes.
-* ``write_execution`` (one Dask task per execution): exactly one execution group.
+* ``write_executions`` (one Dask task per group of executions, e.g. a task's samples): exactly
+  one segment; ``write_execution`` writes a segment of one.
 * ``commit_step`` (driver, after all of a step's writes returned): the step group's attributes,
   then the root's ``committed_steps``. The root list is the commit marker: readers see a step
   only once it is listed there, and it is written last.
@@ -13,7 +14,8 @@ once:
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import zarr
 from gyreflow.storage import files, schema
 from gyreflow.storage.calltree import CallTree
 from gyreflow.trajectory.records import ExecutionResult
+from gyreflow.trajectory.tree import TrajectoryTree
 
 PathLike = str | Path
 
@@ -102,13 +105,17 @@ def _flatten(arrays: list[np.ndarray], dtype: str) -> tuple[np.ndarray, np.ndarr
     return flat, offsets
 
 
-def execution_arrays(result: ExecutionResult) -> dict[str, np.ndarray]:
-    """The arrays of one execution group, exactly as they are stored (schema version 2).
+def execution_arrays(result: ExecutionResult, tree: TrajectoryTree | None = None) -> dict[str, np.ndarray]:
+    """The arrays of one execution, exactly as a segment stores them (concatenated with the other
+    executions' of the segment).
 
     Parameters
     ----------
     result
         A finished execution.
+    tree
+        Its trajectory tree, where the pipeline built it already (used only if it is the tree of
+        exactly these calls: same execution, same call count, not a dropped placeholder).
 
     Returns
     -------
@@ -118,13 +125,13 @@ def execution_arrays(result: ExecutionResult) -> dict[str, np.ndarray]:
         ``StringDType`` array of JSON, each with the call's ``node`` and lengths).
     """
     calls = result.calls
-    tree = CallTree.of(calls)
+    usable = tree is not None and tree.execution_id == result.execution_id and not tree.dropped
+    tree = CallTree.of(calls, tree if usable else None)
     logprobs, _ = _flatten([c.logprobs for c in calls], "float32")
     versions, _ = _flatten([c.versions for c in calls], "int32")
     meta = np.array(
-        [schema.dumps(c.meta() | {"node": int(tree.call_node[k]), "n_prompt": int(tree.call_prompt[k]),
-                                  "n_completion": int(tree.call_completion[k])})
-         for k, c in enumerate(calls)],
+        [schema.call_document(c, node, p, n) for c, node, p, n in
+         zip(calls, tree.call_node.tolist(), tree.call_prompt.tolist(), tree.call_completion.tolist())],
         dtype=np.dtypes.StringDType(),
     )
     return {
@@ -138,73 +145,102 @@ def execution_arrays(result: ExecutionResult) -> dict[str, np.ndarray]:
 
 
 def write_execution(archive_path: PathLike, result: ExecutionResult) -> dict[str, Any]:
-    """Write one execution into its own group of the archive (called from a Dask task).
+    """Write one execution as a segment of its own (named by its id); see :func:`write_executions`."""
+    return write_executions(archive_path, [result])[0]
 
-    Safe to call concurrently for different executions of the same step: each call writes only
-    inside ``steps/<step>/executions/<execution_id>/``; a missing parent group is created as an
-    empty group, and writers racing on it write identical bytes. A second call for the same
-    execution (a retried task) replaces the first one's group. The group is marked ``complete`` last, so a writer killed half-way leaves
-    a group that ``commit_step`` ignores.
+
+def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
+                     segment: str | None = None, trees: Sequence[TrajectoryTree] | None = None) -> list[dict[str, Any]]:
+    """Write executions of one step into one segment of the archive (called from a Dask task).
+
+    Safe to call concurrently for different segments of the same step: each call writes only
+    inside ``steps/<step>/segments/<segment>/``; a missing parent group is created as an empty
+    group, and writers racing on it write identical bytes. A second call for the same segment (a
+    retried task) replaces the first one's. The segment is marked ``complete`` last, so a writer
+    killed half-way leaves a segment that ``commit_step`` ignores.
 
     Parameters
     ----------
     archive_path
         The ``archive.zarr`` directory, created by ``create_archive``.
-    result
-        The finished execution; ``result.step`` selects the step.
+    results
+        Finished executions of one step (``result.step``), distinct ids.
+    segment
+        The segment's name; default the first execution's id.
+    trees
+        The executions' trajectory trees, where the pipeline built them already (one per
+        execution, in order); the calls are stored as those trees rather than built again.
 
     Returns
     -------
-    dict
-        ``execution_id``, ``step``, ``task_id``, ``sample``, ``split``, ``reward``, ``passed``,
-        ``n_calls``, ``n_prompt_tokens``, ``n_completion_tokens``.
+    list[dict]
+        Per execution: ``execution_id``, ``step``, ``task_id``, ``sample``, ``split``, ``reward``,
+        ``passed``, ``n_calls``, ``n_prompt_tokens``, ``n_completion_tokens``, ``n_stored_tokens``.
 
     Raises
     ------
     ValueError
-        If the step is already committed (committed steps are immutable), the archive is not a
-        gyreflow archive, or the execution id is not a valid group name.
+        If there is nothing to write, the executions span several steps or repeat an id, the step
+        is already committed (committed steps are immutable), the archive is not a gyreflow
+        archive, or an id is not a valid group name.
     """
-    path = schema.execution_path(result.step, result.execution_id)
+    results = list(results)
+    if not results:
+        raise ValueError("write_executions: no executions to write")
+    steps = sorted({int(r.step) for r in results})
+    if len(steps) > 1:
+        raise ValueError(f"write_executions: one segment holds one step's executions, got steps {steps}")
+    ids = [r.execution_id for r in results]
+    for eid in ids:
+        schema.check_execution_id(eid)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"write_executions: execution ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+    step = steps[0]
+    path = schema.segment_path(step, segment if segment is not None else ids[0])
     version = root_attributes(archive_path)[schema.ROOT_MARKER]
     if version < schema.SCHEMA_VERSION:
         raise ValueError(
             f"{str(archive_path)!r} has archive schema version {version}; open it "
             f"with ArchiveWriter (which upgrades it to {schema.SCHEMA_VERSION}) before writing into it"
         )
-    step_doc = Path(archive_path) / schema.step_path(result.step) / files.ZARR_JSON
+    step_doc = Path(archive_path) / schema.step_path(step) / files.ZARR_JSON
     if step_doc.exists() and files.read_json(step_doc).get("attributes", {}).get("committed"):
         raise ValueError(
-            f"step {result.step} of {str(archive_path)!r} is committed; "
-            f"refusing to write execution {result.execution_id!r} into it"
+            f"step {step} of {str(archive_path)!r} is committed; "
+            f"refusing to write executions {ids[:3]}{'...' if len(ids) > 3 else ''} into it"
         )
-    arrays = execution_arrays(result)
-    summary = {
-        "execution_id": result.execution_id,
-        "step": int(result.step),
-        "task_id": result.task_id,
-        "sample": int(result.sample),
-        "split": result.split,
-        "reward": result.reward,
-        "passed": bool(result.passed),
-        "n_calls": len(result.calls),
-        "n_prompt_tokens": int(sum(len(c.prompt_ids) for c in result.calls)),
-        "n_completion_tokens": int(sum(len(c.completion_ids) for c in result.calls)),
-        "n_stored_tokens": int(len(arrays["tokens"])),
-    }
-    meta = schema.to_json(result.meta())
-    meta.update(
-        {
-            "n_prompt_tokens": summary["n_prompt_tokens"],
-            "n_completion_tokens": summary["n_completion_tokens"],
-            "n_stored_tokens": summary["n_stored_tokens"],
-            "written_at": _now(),
-            schema.EXECUTION_MARKER: schema.SCHEMA_VERSION,
-            "complete": True,
+    if trees is not None and len(trees) != len(results):
+        raise ValueError(f"write_executions: {len(trees)} trees for {len(results)} executions")
+    per = [execution_arrays(r, t) for r, t in zip(results, trees or [None] * len(results))]
+    arrays = {name: np.concatenate([p[name] for p in per]) for name in schema.TREE_ARRAYS}
+    summaries, entries = [], []
+    start = dict.fromkeys(schema.TREE_ARRAYS, 0)
+    for r, p in zip(results, per):
+        summary = {
+            "execution_id": r.execution_id,
+            "step": int(r.step),
+            "task_id": r.task_id,
+            "sample": int(r.sample),
+            "split": r.split,
+            "reward": r.reward,
+            "passed": bool(r.passed),
+            "n_calls": len(r.calls),
+            "n_prompt_tokens": int(sum(len(c.prompt_ids) for c in r.calls)),
+            "n_completion_tokens": int(sum(len(c.completion_ids) for c in r.calls)),
+            "n_stored_tokens": int(len(p["tokens"])),
         }
-    )
-    files.write_group(Path(archive_path), path, arrays, meta)
-    return schema.to_json(summary)
+        slices = {name: [start[name], start[name] + len(p[name])] for name in schema.TREE_ARRAYS}
+        start = {name: b for name, (_, b) in slices.items()}
+        entries.append(schema.to_json(r.meta()) | {k: summary[k] for k in _ENTRY_COUNTS} | {"slices": slices})
+        summaries.append(schema.to_json(summary))
+    attrs = {schema.SEGMENT_MARKER: schema.SEGMENT_VERSION, "complete": True, "written_at": _now(),
+             "executions": entries}
+    files.write_group(Path(archive_path), path, arrays, attrs,
+                      pending={schema.SEGMENT_MARKER: schema.SEGMENT_VERSION, "complete": False})
+    return summaries
+
+
+_ENTRY_COUNTS = ("n_prompt_tokens", "n_completion_tokens", "n_stored_tokens")
 
 
 _INDEX_KEYS = (
@@ -221,17 +257,40 @@ _INDEX_KEYS = (
 )
 
 
-def _complete_executions(step_group: zarr.Group) -> dict[str, dict[str, Any]]:
-    """Index entries of the step's executions whose groups are marked complete."""
-    try:
-        executions = step_group[schema.EXECUTIONS]
-    except KeyError:
-        return {}
+def _complete_executions(step_dir: Path) -> dict[str, dict[str, Any]]:
+    """Index entries of the step's executions in complete segments (and complete execution groups
+    of versions 1 and 2); a segment's executions name it.
+
+    Raises
+    ------
+    ValueError
+        If two complete groups hold the same execution.
+    """
     index: dict[str, dict[str, Any]] = {}
-    for name, node in executions.groups():
-        attrs = node.attrs
-        if attrs.get("complete") is True:
-            index[name] = {k: attrs.get(k) for k in _INDEX_KEYS}
+
+    def add(eid: str, entry: dict[str, Any], where: str) -> None:
+        if eid in index:
+            raise ValueError(f"execution {eid!r} is written twice in {str(step_dir)!r} (again in {where})")
+        index[eid] = entry
+
+    for kind in (schema.EXECUTIONS, schema.SEGMENTS):
+        try:
+            names = sorted(d.name for d in os.scandir(step_dir / kind) if d.is_dir())
+        except FileNotFoundError:
+            continue
+        for name in names:
+            try:
+                attrs = files.read_json(step_dir / kind / name / files.ZARR_JSON).get("attributes", {})
+            except (FileNotFoundError, ValueError):
+                continue  # a writer killed before its first document
+            if attrs.get("complete") is not True:
+                continue
+            if kind == schema.EXECUTIONS:
+                add(name, {k: attrs.get(k) for k in _INDEX_KEYS}, f"execution group {name!r}")
+                continue
+            for entry in attrs.get("executions", []):
+                add(entry["execution_id"], {k: entry.get(k) for k in _INDEX_KEYS} | {"segment": name},
+                    f"segment {name!r}")
     return dict(sorted(index.items()))
 
 
@@ -276,8 +335,7 @@ def commit_step(
     if step in committed:
         raise ValueError(f"step {step} of {str(archive_path)!r} is already committed")
     step_group = root.require_group(schema.step_path(step))
-    step_group.require_group(schema.EXECUTIONS)
-    index = _complete_executions(step_group)
+    index = _complete_executions(Path(archive_path) / schema.step_path(step))
     if expected is not None:
         missing = sorted(set(expected) - set(index))
         if missing:
@@ -297,7 +355,7 @@ def commit_step(
         "executions": index,
         "summary": schema.to_json(summary or {}),
     }
-    step_group.attrs.update(attrs)
+    step_group.update_attributes(attrs)  # one write, not one per key
     # Commit point: written after every byte of the step is on disk.
     root.attrs["committed_steps"] = sorted({*committed, int(step)})
     return attrs
@@ -411,6 +469,10 @@ class ArchiveWriter:
     def write_execution(self, result: ExecutionResult) -> dict[str, Any]:
         """Write one execution from the driver process; see ``write_execution``."""
         return write_execution(self.path, result)
+
+    def write_executions(self, results: Sequence[ExecutionResult], segment: str | None = None) -> list[dict[str, Any]]:
+        """Write executions as one segment from the driver process; see ``write_executions``."""
+        return write_executions(self.path, results, segment)
 
     def commit_step(
         self,
