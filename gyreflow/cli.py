@@ -299,7 +299,7 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, ex
 
 
 @bench.command("trajectories")
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Rounds of each timing.")
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True, help="Rounds of each timing.")
 @click.option("--executions", type=click.IntRange(1), default=4, show_default=True, help="Executions per timing.")
 @click.option("--path-tokens", type=click.IntRange(16), default=640, show_default=True, help="Tokens of each path.")
 @click.option("--archive-executions", type=click.IntRange(1), default=32, show_default=True,

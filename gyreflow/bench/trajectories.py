@@ -30,7 +30,6 @@ Each timing is repeated, the arms interleaved; the JSON gives mean, min and max.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import time
@@ -155,7 +154,7 @@ def archive_io(executions: list[ExecutionResult], repeats: int, group: int = 8) 
                 for eid in reader.executions(0):
                     reader.load_execution(0, eid)
 
-            for label, arrays in (("numpy", flat), ("stored", stored)):
+            def numpy_arm(label: str, arrays: list[dict]) -> None:
                 d = base / label
                 d.mkdir(parents=True)
 
@@ -171,10 +170,18 @@ def archive_io(executions: list[ExecutionResult], repeats: int, group: int = 8) 
 
                 runs[f"{label}_write"].append(_timed(write_numpy))
                 runs[f"{label}_read"].append(_timed(read_numpy))
-            runs["archive_write"].append(_timed(lambda: write_archive(base / "archive.zarr", trees)))
-            runs["archive_read"].append(_timed(read_archive))
+
+            def archive_arm() -> None:
+                runs["archive_write"].append(_timed(lambda: write_archive(base / "archive.zarr", trees)))
+                runs["archive_read"].append(_timed(read_archive))
+
+            # An arm pays for the write-back of those before it: the order turns every round.
+            arms = [lambda: numpy_arm("numpy", flat), lambda: numpy_arm("stored", stored), archive_arm]
+            for arm in arms[i % 3:] + arms[: i % 3]:
+                arm()
             runs["archive_write_building_trees"].append(_timed(lambda: write_archive(base / "built.zarr", None)))
             runs["tree_build"].append(_timed(lambda: [build_tree(r) for r in executions]))
+            shutil.rmtree(base)  # deleted before it is written back: no round leaves the next one disk work
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -241,7 +248,6 @@ def grad_reduce_memory(groups: int = 32, shares: int = 8, cells: int = 2) -> dic
 
 
 def _timed(fn) -> float:
-    os.sync()  # every arm starts with nothing of the others' left to write back
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -269,7 +275,7 @@ def _samples(trees: list[TrajectoryTree], j_max: int, packed: bool) -> list[Path
 
 
 def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branches: int = 8, jmax_paths: int = 12,
-        repeats: int = 3, seed: int = 0, archive_executions: int = 32, archive_calls: int = 40,
+        repeats: int = 5, seed: int = 0, archive_executions: int = 32, archive_calls: int = 40,
         reduce_groups: int = 32, reduce_shares: int = 8) -> dict:
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)

@@ -26,27 +26,34 @@ NAME = "gyreflow_segments"
 
 
 @dataclass(frozen=True)
-class Segment:
-    """Tokens ``start:stop`` of row ``row`` attend to ``context`` and causally to each other."""
+class RowLayout:
+    """One row's segments, ready for the kernel (built once per micro-batch, used by every layer)."""
 
-    row: int
-    start: int
-    stop: int
-    context: torch.Tensor | None  # (A,) int64 positions in the row; None: no context
+    sizes: tuple[int, ...]
+    """Tokens of each segment, in order."""
+    index: torch.Tensor  # (sum(spans),) int64: each segment's keys, its context then itself
+    spans: tuple[int, ...]
+    """Keys of each segment (its context and its own tokens)."""
+    masks: tuple[torch.Tensor | None, ...]
+    """``(1, 1, S, A + S)`` bool per segment with a context (all of it, then causal); None: causal."""
+
+    @property
+    def causal(self) -> bool:
+        return len(self.sizes) <= 1 and all(m is None for m in self.masks)
 
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """Who attends to whom in a padded micro-batch; each row's segments cover its tokens in order."""
+    """Who attends to whom in a padded micro-batch."""
 
-    segments: tuple[Segment, ...]
+    rows: tuple[RowLayout, ...]
     lengths: tuple[int, ...]
     """Unpadded length of each row."""
 
     @property
     def causal(self) -> bool:
         """Every row is a plain causal chain (one segment, no context)."""
-        return all(s.context is None for s in self.segments) and len(self.segments) == len(self.lengths)
+        return all(r.causal for r in self.rows)
 
 
 def row_segments(prev: np.ndarray) -> list[tuple[int, int, np.ndarray | None]]:
@@ -73,11 +80,21 @@ def row_segments(prev: np.ndarray) -> list[tuple[int, int, np.ndarray | None]]:
 
 def layout(prevs: list[np.ndarray]) -> SegmentLayout:
     """The layout of a micro-batch whose row ``b`` has predecessors ``prevs[b]``."""
-    segments = []
-    for b, prev in enumerate(prevs):
+    masks: dict[tuple[int, int], torch.Tensor] = {}  # one per shape, shared by the segments that have it
+    rows = []
+    for prev in prevs:
+        sizes, parts, spans, row_masks = [], [], [], []
         for start, stop, ctx in row_segments(np.asarray(prev, dtype=np.int64)):
-            segments.append(Segment(b, start, stop, None if ctx is None else torch.from_numpy(ctx)))
-    return SegmentLayout(tuple(segments), tuple(len(p) for p in prevs))
+            S, A = stop - start, 0 if ctx is None else len(ctx)
+            sizes.append(S)
+            parts += ([] if ctx is None else [ctx]) + [np.arange(start, stop, dtype=np.int64)]
+            spans.append(A + S)
+            if A and (S, A) not in masks:
+                masks[S, A] = torch.ones(1, 1, S, A + S, dtype=torch.bool).tril_(A)
+            row_masks.append(masks[S, A] if A else None)
+        index = torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.int64)
+        rows.append(RowLayout(tuple(sizes), index, tuple(spans), tuple(row_masks)))
+    return SegmentLayout(tuple(rows), tuple(len(p) for p in prevs))
 
 
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -93,29 +110,20 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
                                              is_causal=True, enable_gqa=gqa)  # (B, H, L, D)
         return out.transpose(1, 2).contiguous(), None
-    B, H, L, D = query.shape
-    by_row: list[list[Segment]] = [[] for _ in range(B)]
-    for seg in segments.segments:
-        by_row[seg.row].append(seg)
+    L = query.shape[2]
     rows = []
     # One split / gather per row, never a slice per segment: each slice of a full tensor would cost
     # a full-size zero gradient in the backward pass.
-    for b, (q_b, k_b, v_b) in enumerate(zip(query.unbind(0), key.unbind(0), value.unbind(0))):
-        segs, n = by_row[b], segments.lengths[b]
-        qs = q_b.split([s.stop - s.start for s in segs] + [L - n], dim=1)  # (H, S, D) each, then the pads
-        own = [torch.arange(s.start, s.stop) for s in segs]
-        index = torch.cat([t for s, o in zip(segs, own) for t in ((o,) if s.context is None else (s.context, o))])
-        spans = [len(o) + (0 if s.context is None else len(s.context)) for s, o in zip(segs, own)]
-        ks = k_b[:, index].split(spans, dim=1)  # (H_kv, A + S, D) each
-        vs = v_b[:, index].split(spans, dim=1)
+    for row, n, q_b, k_b, v_b in zip(segments.rows, segments.lengths, query.unbind(0), key.unbind(0), value.unbind(0)):
+        qs = q_b.split([*row.sizes, L - n], dim=1)  # (H, S, D) each, then the pads
+        ks = k_b.index_select(1, row.index).split(row.spans, dim=1)  # (H_kv, A + S, D) each
+        vs = v_b.index_select(1, row.index).split(row.spans, dim=1)
         outs = []
-        for seg, q, k, v in zip(segs, qs, ks, vs):
+        for q, k, v, mask in zip(qs, ks, vs, row.masks):
             # 4-D operands and mask: torch's fused CPU kernel takes those; 3-D ones fall back to the
             # unfused path (measured ~2x slower, forward and backward).
-            S, A = q.shape[1], k.shape[1] - q.shape[1]
-            mask = None if A == 0 else torch.ones(1, 1, S, A + S, dtype=torch.bool).tril_(A)  # context, then causal
             outs.append(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, dropout_p=dropout,
-                                                       scale=scaling, is_causal=A == 0, enable_gqa=gqa)[0])
+                                                       scale=scaling, is_causal=mask is None, enable_gqa=gqa)[0])
         if L > n:
             outs.append(torch.zeros_like(qs[-1]))  # pads attend to nothing
         rows.append(torch.cat(outs, dim=1))  # (H, L, D)
