@@ -60,7 +60,7 @@ class SFTConfig:
 class RLConfig:
     """The reinforcement-learning loop."""
 
-    steps: int = 8
+    steps: int = 32
     """Policy updates."""
     tasks_per_step: int = 12
     """Training tasks per step (a group each)."""
@@ -96,9 +96,9 @@ class RLConfig:
     tree_training: bool = True
     """Train each execution's chosen paths as one tree (every shared node forwarded once) rather
     than path by path; the gradient is the same."""
-    aggregation: str = "token_mean"
-    """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``); the paper's
-    ``execution_mean`` is not the default: on the main job it lost held-out points (README)."""
+    aggregation: str = "execution_mean"
+    """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``): the paper's
+    two-level mean (tokens within an execution, then executions), or ``token_mean``."""
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def make_tree(result: ExecutionResult, vocab_size: int | None = None,
 
 
 def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0,
-                     aggregation: str = "token_mean", seed: int = 0, tree_training: bool = False) -> GroupSamples:
+                     aggregation: str = "execution_mean", seed: int = 0, tree_training: bool = False) -> GroupSamples:
     """Advantages of one group (the executions of one task), and the paths it trains: at most
     ``j_max`` per execution by role priority, each sample weighted by ``aggregation``; with
     ``tree_training``, an execution's paths are one tree-shaped sample (shared nodes forwarded once)."""
