@@ -1,4 +1,4 @@
-"""An execution's calls as a token tree, and back: the layout of schema-2 execution groups.
+"""An execution's calls as a token tree, and back: how segments (and version-2 groups) store them.
 
 Every call's sequence (prompt, then completion) is a root-to-node prefix of the execution's
 prefix-sharing token tree (:func:`gyreflow.trajectory.tree.build_tree`), so the archive stores the

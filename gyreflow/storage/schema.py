@@ -35,7 +35,8 @@ CHUNK_ELEMENTS = 1 << 20
 is one chunk per array (few files, one codec call) and small enough that a slice read of a
 million-token execution decodes only the chunks it touches."""
 
-# Arrays of one execution group: name -> (zarr data type, dimension name, fill value).
+# Arrays of a segment (and of a version-2 execution group): name -> (zarr data type, dimension
+# name, fill value).
 # The fill value only shows where a chunk is missing; -1 / NaN cannot be mistaken for data.
 TREE_ARRAYS: dict[str, tuple[str, str, Any]] = {
     "tokens": ("int32", "tree_token", -1),
@@ -89,8 +90,8 @@ def encode_chunk(name: str, data: np.ndarray) -> bytes:
     """One chunk of an execution array (``CHUNK_ELEMENTS`` long, or the whole array), encoded with the
     codec chain of :func:`codecs`: the bytes zarr itself would store for it (a test compares them).
 
-    Execution arrays are written chunk by chunk through the store rather than through zarr's array
-    API, whose per-array overhead (~2 ms) dominated the write of an execution.
+    Segments are written chunk by chunk as files (:mod:`gyreflow.storage.files`) rather than
+    through zarr's array API, whose per-array overhead (~2 ms) dominated the write.
     """
     from numcodecs import Blosc, VLenUTF8, Zstd
 
