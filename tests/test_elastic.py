@@ -492,6 +492,34 @@ def test_colocated_moves_every_cell_to_training_and_back(client, published):
         mode("async")
 
 
+def started_trainer_task(tag: str, seconds: float) -> dict:
+    """:func:`trainer_task` that first says it started (Dask event ``<tag>-started``)."""
+    Event(f"{tag}-started").set()
+    return trainer_task(tag, seconds)
+
+
+def test_a_training_cell_hands_over_and_rolls_out(client, published):
+    """A trainer cell moved to rollout while it trains: no trainer task starts there any more, its
+    queued tasks run on the other trainer cell, the one it runs finishes there, then it rolls out."""
+    names = layout(client, published, rollout=("cell-0",), trainer=("cell-1", "cell-2"))
+    c1, c2 = names["cell-1"], names["cell-2"]
+    first = [client.submit(started_trainer_task, f"hand-{i}", 2.0, key=f"hand-{i}", workers=[c], resources=TRAIN,
+                           allow_other_workers=True, pure=False) for i, c in enumerate((c1, c2))]
+    for i in range(2):
+        assert Event(f"hand-{i}-started", client=client).wait(timeout=30)
+    queued = [client.submit(trainer_task, f"hand-q{i}", 0.2, key=f"hand-q{i}", resources=TRAIN, pure=False)
+              for i in range(4)]
+    entry = move(client, c1, ROLLOUT)
+    assert entry["handover_s"] > 0
+    state = pools(client)
+    assert state["roles"][c1] == ROLLOUT and state["roles"][c2] == TRAINER
+    outs = [f.result(timeout=60) for f in first + queued]
+    # The task running on cell-1 finished there; everything after ran on cell-2, a trainer then.
+    assert outs[0]["worker"] == c1 and outs[0]["before"][TRAINER] == 1
+    assert all(o["worker"] == c2 and o["before"][TRAINER] == 1 for o in outs[1:]), outs
+    assert engine_stats(client, c1)["accepting"]
+
+
 def test_downscaling_spares_busy_cells(client, published):
     """Retiring workers (adaptive scaling) never takes a cell that serves sessions or trains."""
     names = layout(client, published)

@@ -9,11 +9,12 @@ from gyreflow.cluster.pools import ROLLOUT, TRAINER
 NOW = 100.0
 
 
-def cell(name, role, sessions=0, train=0, since=0.0, idle_since=None, moving=False, home=None):
-    if role == TRAINER and train == 0 and idle_since is None:
+def cell(name, role, sessions=0, train=0, since=0.0, idle_since=None, moving=False, home=None, queued=0):
+    """``train`` trainer tasks running on the cell, ``queued`` more waiting there."""
+    if role == TRAINER and train + queued == 0 and idle_since is None:
         idle_since = 0.0
-    return Cell(name, role, sessions=sessions, train_tasks=train, since=since, idle_since=idle_since, moving=moving,
-                home=home or role)
+    return Cell(name, role, sessions=sessions, train_tasks=train + queued, train_running=train, since=since,
+                idle_since=idle_since, moving=moving, home=home or role)
 
 
 def snap(*cells, train_waiting=0, route_waiting=0, backlog=None, time=NOW):
@@ -140,7 +141,7 @@ def test_elastic_idle_trainers_beyond_the_need_spread_crowded_rollout():
 def test_elastic_hysteresis_no_flapping():
     # Moved a moment ago: it stays put even though the work changed.
     recent = cell("t1", TRAINER, since=NOW - 0.01, idle_since=NOW - 0.01)
-    s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), recent)
+    s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), recent, backlog=2.0)
     assert ElasticPolicy(dwell_s=0.25, consolidate_batch=16).decide(s) == []
     # A trainer that went idle only just now does not spread a rollout cell with free slots ...
     fresh = [cell(f"t{i}", TRAINER, since=0.0, idle_since=NOW - 0.001) for i in range(2)]
@@ -153,7 +154,7 @@ def test_elastic_never_strands_work():
     # Never below one rollout cell (executions would have no engine) ...
     s = snap(cell("r0", ROLLOUT, sessions=1), cell("t0", TRAINER, train=7), backlog=70.0)
     assert ElasticPolicy().decide(s) == []
-    # ... never a trainer cell with a task on it ...
+    # ... never below the trainer cells the ready training needs ...
     s = snap(cell("r0", ROLLOUT, sessions=40), cell("t0", TRAINER, train=1), cell("t1", TRAINER, train=1))
     assert ElasticPolicy(consolidate_batch=16).decide(s) == []
     # ... and a cell already moving is left alone (its role is the one it moves to).
@@ -161,6 +162,21 @@ def test_elastic_never_strands_work():
              cell("t0", TRAINER, train=6), backlog=6.0)
     moves = ElasticPolicy().decide(s)
     assert "r1" not in targets(moves) and targets(moves) == {"r2": TRAINER}
+
+
+def test_elastic_trainer_cells_roll_out_beyond_the_need():
+    # 48 executions on one rollout cell; three trainer cells each hold one queued task (1 s each,
+    # so 3 s ready, cleared in time by ceil(3 / 2 - 0.5) = 1 cell): two roll out, the queue follows.
+    s = snap(cell("r0", ROLLOUT, sessions=48), *(cell(f"t{i}", TRAINER, queued=1) for i in range(3)))
+    moves = ElasticPolicy(consolidate_batch=16, drain_s=2.0).decide(s)
+    assert targets(moves) == {"t0": ROLLOUT, "t1": ROLLOUT}
+    # Cells running a task go after those with only a queue (the task finishes there first).
+    s = snap(cell("r0", ROLLOUT, sessions=48), cell("t0", TRAINER, train=1, queued=1), cell("t1", TRAINER, queued=1),
+             cell("t2", TRAINER, train=1), backlog=3.0)
+    assert targets(ElasticPolicy(consolidate_batch=16, drain_s=2.0).decide(s)) == {"t1": ROLLOUT, "t2": ROLLOUT}
+    # Ready work that needs every trainer cell keeps them all.
+    s = snap(*(cell(f"t{i}", TRAINER, queued=4) for i in range(3)), cell("r0", ROLLOUT, sessions=48))
+    assert ElasticPolicy(consolidate_batch=16, drain_s=4.0).decide(s) == []
 
 
 def test_elastic_counts_waiting_routes_as_rollout_demand():
@@ -198,3 +214,29 @@ def test_sessions_rebalance_onto_engines_that_joined():
     # Balanced already (within the slack): nothing moves; a lone engine: nothing moves.
     assert rebalance_sessions(RouteSnapshot(("a", "b"), {"x": "a", "y": "a", "z": "b"}), {}, slack=1) == []
     assert rebalance_sessions(RouteSnapshot(("a",), sessions), priority) == []
+
+
+def test_arrival_rate_counts_each_task_once_by_hand():
+    import math
+
+    from gyreflow.cluster.control import ArrivalRate
+
+    r = ArrivalRate(window_s=100.0)
+    assert r.update(0.0, {"a": 10.0}) == pytest.approx(0.1)  # 10 cell-s spread over the window
+    # "a" still running: it does not arrive again; the rate decays over 10 s.
+    assert r.update(10.0, {"a": 10.0}) == pytest.approx(0.1 * math.exp(-0.1))
+    # "a" done, "b" (50 cell-s) arrives after 10 s more.
+    expected = 0.1 * math.exp(-0.1) + (5.0 - 0.1 * math.exp(-0.1)) * (1 - math.exp(-0.1))
+    assert r.update(20.0, {"b": 50.0}) == pytest.approx(expected)
+
+
+def test_arrival_rate_converges_to_a_steady_rate():
+    from gyreflow.cluster.control import ArrivalRate
+
+    r = ArrivalRate(window_s=50.0)
+    # Two cells' worth of work arriving: a 4 s task every 2 s, each running 6 s before it leaves.
+    rate = 0.0
+    for t in range(0, 1000, 2):
+        live = {f"t{k}": 4.0 for k in range(max(0, t // 2 - 2), t // 2 + 1)}
+        rate = r.update(float(t), live)
+    assert rate == pytest.approx(2.0, rel=0.05)

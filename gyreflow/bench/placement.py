@@ -85,7 +85,7 @@ def placement_timing(workload: Workload) -> tuple[Timing, dict]:
     """The plugin's timing and the policies' time options, in units of :func:`call_s`."""
     u = call_s(workload)
     timing = Timing(tick_s=u / 4, history_s=u / 2, rebalance_s=u, stall_s=200 * u, stall_check_s=8 * u,
-                    rate_window_s=200 * u)
+                    handover_s=50 * u, rate_window_s=200 * u)
     return timing, {"dwell_s": 2 * u, "idle_s": 2 * u, "drain_s": 4 * u}
 
 

@@ -8,6 +8,7 @@ requests with the role.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -22,8 +23,8 @@ PLUGIN_NAME = "gyreflow-cell"
 
 
 class CellService(WorkerPlugin):
-    """Serves ``gyreflow_set_role(role)`` on every worker that can be a cell, and
-    ``gyreflow_fault(point, times)`` (:mod:`gyreflow.faults`)."""
+    """Serves ``gyreflow_set_role(role)`` and ``gyreflow_training_done(timeout)`` on every worker
+    that can be a cell, and ``gyreflow_fault(point, times)`` (:mod:`gyreflow.faults`)."""
 
     name = PLUGIN_NAME
 
@@ -36,6 +37,7 @@ class CellService(WorkerPlugin):
         tune_allocator()
         worker.handlers["gyreflow_set_role"] = self.set_role
         worker.handlers["gyreflow_fault"] = self.fault
+        worker.handlers["gyreflow_training_done"] = self.training_done
 
     def fault(self, point: str, times: int = 1, delay_s: float = 0.0) -> dict:
         """Arm fault ``point`` of this worker for the next ``times`` passes (tests); 0 disarms it.
@@ -45,6 +47,17 @@ class CellService(WorkerPlugin):
         except ValueError as err:
             return {"error": str(err)}
         return {"armed": point, "times": times, "tripped": FAULTS.count()}
+
+    def trainer_tasks_running(self) -> int:
+        return sum(1 for ts in self.worker.state.executing
+                   if ts.resource_restrictions and TRAINER in ts.resource_restrictions)
+
+    async def training_done(self, timeout: float) -> dict:
+        """Wait until no trainer task runs here, ``timeout`` wall seconds at most; how many still run."""
+        deadline = time.monotonic() + timeout
+        while (running := self.trainer_tasks_running()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return {"running": running}
 
     async def set_role(self, role: str | None) -> dict:
         """Serve ``role`` from now on (``None``: neither pool, the cell is held out); returns the

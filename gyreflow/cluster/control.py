@@ -38,14 +38,45 @@ class Timing:
     """An execution without progress this long is named as stalled."""
     stall_check_s: float = 10.0
     """Time between two looks for stalled executions."""
+    handover_s: float = 600.0
+    """Longest wait for a trainer task to finish on a cell moving to rollout (it stays a trainer)."""
     rate_window_s: float = 300.0
     """Time over which the rate of arriving training work is averaged (exponentially); it should span
     several steps, so that the rate is the steady need rather than a step's burst."""
 
     def __post_init__(self) -> None:
-        for name in ("tick_s", "history_s", "rebalance_s", "stall_s", "stall_check_s", "rate_window_s"):
+        for name in ("tick_s", "history_s", "rebalance_s", "stall_s", "stall_check_s", "handover_s", "rate_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class ArrivalRate:
+    """Training work arriving, in cell-seconds per second, averaged exponentially over ``window_s``.
+
+    A trainer task counts once, with its predicted duration, on the first update that sees it ready
+    or running; a task that leaves and comes back (its cell died) counts again, as its work is redone.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.rate = 0.0
+        self._seen: set = set()
+        self._at: float | None = None
+
+    def update(self, now: float, work: dict) -> float:
+        """``work``: task key -> predicted seconds, for the trainer tasks ready or running at ``now``."""
+        arrived = sum(s for k, s in work.items() if k not in self._seen)
+        self._seen = set(work)
+        if self._at is None:
+            self._at = now
+        dt = now - self._at
+        if dt > 0:
+            w = 1.0 - math.exp(-dt / self.window_s)
+            self.rate += (arrived / dt - self.rate) * w
+            self._at = now
+        elif arrived:  # a second update at the same instant: the work counts, spread over no time
+            self.rate += arrived / self.window_s
+        return self.rate
 
 
 class Controller:
@@ -65,9 +96,7 @@ class Controller:
         self._last_rebalance = float("-inf")
         self._last_stall_check = float("-inf")
         self._tokens: dict[str, int] = {}
-        self._rate = 0.0
-        self._rate_at: tuple[float, float] | None = None
-        """(time, backlog) of the last rate update."""
+        self.arrivals = ArrivalRate(timing.rate_window_s)
         self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -118,37 +147,22 @@ class Controller:
         load = self.routes.load()
         cells = []
         for addr, role in sorted(self.roles().items()):
-            n_train = len(trainer_tasks(self.scheduler.workers.get(addr)))
+            ws = self.scheduler.workers.get(addr)
+            n_train = len(trainer_tasks(ws))
+            running = sum(1 for ts in ws.executing if is_trainer_task(ts)) if ws is not None else 0
             if role == TRAINER and n_train == 0:
                 self.idle_since[addr] = self.idle_since.get(addr) or now
             else:
                 self.idle_since[addr] = None
             self.mover.since.setdefault(addr, now)
             cells.append(Cell(addr, self.mover.moving.get(addr, role), sessions=load.get(addr, 0) if role == ROLLOUT else 0,
-                              train_tasks=n_train, since=self.mover.since[addr], idle_since=self.idle_since[addr],
+                              train_tasks=n_train, train_running=running, since=self.mover.since[addr], idle_since=self.idle_since[addr],
                               moving=addr in self.mover.moving, home=self.home.get(addr)))
         waiting = [ts for ts in self.scheduler.unrunnable if is_trainer_task(ts)]
         ready = waiting + [ts for c in cells for ts in trainer_tasks(self.scheduler.workers.get(c.address))]
-        backlog = self.clock.from_wall(sum(self.scheduler._get_prefix_duration(ts.prefix) for ts in ready))
-        busy = sum(1 for c in cells if any(is_trainer_task(ts) for ts in self.scheduler.workers[c.address].executing))
+        work = {ts.key: self.clock.from_wall(self.scheduler._get_prefix_duration(ts.prefix)) for ts in ready}
         return PoolSnapshot(time=now, cells=tuple(cells), train_waiting=len(waiting), route_waiting=self.routes.waiting,
-                            train_backlog_s=backlog, train_rate=self._arrival_rate(now, backlog, busy))
-
-    def _arrival_rate(self, now: float, backlog: float, busy: int) -> float:
-        """Training work arriving per second, averaged over ``rate_window_s``: what the backlog
-        grew by, plus what the busy trainer cells worked off meanwhile."""
-        if self._rate_at is None:
-            self._rate_at = (now, backlog)
-            return self._rate
-        t0, b0 = self._rate_at
-        dt = now - t0
-        if dt <= 0:
-            return self._rate
-        arrived = max(0.0, backlog - b0 + busy * dt)
-        w = 1.0 - math.exp(-dt / self.timing.rate_window_s)
-        self._rate += (arrived / dt - self._rate) * w
-        self._rate_at = (now, backlog)
-        return self._rate
+                            train_backlog_s=sum(work.values()), train_rate=self.arrivals.update(now, work))
 
     # ------------------------------------------------------------------ the tick
 

@@ -5,7 +5,9 @@ rollout -> trainer
     state) to the other rollout cells, then ``Worker.set_resources`` makes it a trainer; trainer
     tasks waiting for a cell are scheduled and queued ones are stolen onto it.
 trainer -> rollout
-    Only a cell without trainer tasks; its engine takes calls again.
+    The cell leaves the trainer pool (no trainer task starts there any more; the trainer cells
+    steal those queued on it), the trainer task it runs finishes (``handover_s`` at most, or the
+    cell stays a trainer), then its engine takes calls again.
 retire
     A cell leaving the cluster (spot capacity reclaimed, a host drained): its generations migrate,
     it leaves both pools, then the scheduler retires the worker.
@@ -50,11 +52,14 @@ class Mover:
         Cell address -> role now (from the workers' resources).
     clock
         The plugin's clock (moves are stamped with it).
+    handover_s
+        Longest wait (clock seconds) for a trainer task to finish on a cell moving to rollout.
     """
 
     def __init__(self, scheduler, routes: RouteTable, books: Books, roles: Callable[[], dict[str, str]],
-                 clock: Clock) -> None:
+                 clock: Clock, handover_s: float = 600.0) -> None:
         self.scheduler, self.routes, self.books, self.roles, self.clock = scheduler, routes, books, roles, clock
+        self.handover_s = handover_s
         self.moving: dict[str, str] = {}
         """Cell -> the role it is moving to (``"gone"`` for a retiring cell)."""
         self.since: dict[str, float] = {}
@@ -137,33 +142,51 @@ class Mover:
         if "error" in out:
             raise MoveFailed(out["error"])
 
-    async def _serve_again(self, addr: str) -> None:
-        """Put a drained rollout cell back to taking calls (a move of it failed half-way)."""
-        try:
-            await self._set_role(addr, ROLLOUT)
-        except Exception:  # it died: the scheduler's remove_worker cleans up
-            log.warning("gyreflow: cell %s could not take calls again after a failed move", addr, exc_info=True)
-
     async def _to_trainer(self, addr: str) -> dict:
         try:
             out = await self.drain(addr)
             t1 = time.time()
             await self._set_role(addr, TRAINER)
         except MoveFailed as err:
-            await self._serve_again(addr)
+            await self._restore(addr, ROLLOUT)
             return {"aborted": str(err)}
         except Exception:
-            await self._serve_again(addr)
+            await self._restore(addr, ROLLOUT)
             raise
         schedule_unrunnable(self.scheduler, addr)
         self.spread()  # queued shares elsewhere come over now, not at the next tick
         return out | {"role_s": time.time() - t1}
 
     async def _to_rollout(self, addr: str) -> dict:
-        if trainer_tasks(self.scheduler.workers.get(addr)):
-            return {"aborted": "trainer tasks on the cell"}
+        if not trainer_tasks(self.scheduler.workers.get(addr)):
+            await self._set_role(addr, ROLLOUT)
+            return {}
+        # Hand over: out of the trainer pool first, so that its queued tasks go to the others and
+        # none starts here, then wait for the one it runs.
+        t0 = time.time()
+        try:
+            await self._set_role(addr, None)
+            self.spread()
+            out = await self.scheduler.rpc(addr).gyreflow_training_done(timeout=self.clock.to_wall(self.handover_s))
+            if out.get("running"):
+                raise MoveFailed(f"a trainer task still ran on the cell after {self.handover_s:.0f}s")
+        except MoveFailed as err:
+            await self._restore(addr, TRAINER)
+            return {"aborted": str(err)}
+        except BaseException:
+            await self._restore(addr, TRAINER)
+            raise
         await self._set_role(addr, ROLLOUT)
-        return {}
+        return {"handover_s": self.clock.from_wall(time.time() - t0)}
+
+    async def _restore(self, addr: str, role: str) -> None:
+        """Put a cell whose move failed half-way back in ``role``."""
+        try:
+            await self._set_role(addr, role)
+        except Exception:  # it died: the scheduler's remove_worker cleans up
+            log.warning("gyreflow: cell %s could not serve as %s again after a failed move", addr, role, exc_info=True)
+        if role == TRAINER:
+            schedule_unrunnable(self.scheduler, addr)
 
     async def retire(self, addr: str) -> dict:
         """Take ``addr`` out of the cluster without losing what it runs: its generations migrate,
@@ -180,7 +203,7 @@ class Mover:
         except Exception as err:
             entry["error"] = f"{type(err).__name__}: {err}"
             if self.roles().get(addr) is None and addr in self.scheduler.workers:
-                await self._serve_again(addr)
+                await self._restore(addr, ROLLOUT)
         finally:
             self.moving.pop(addr, None)
         entry["applied"] = self.clock.now()

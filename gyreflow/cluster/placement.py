@@ -30,6 +30,8 @@ class Cell:
     """Live executions whose model calls this cell's engine serves (0 for a trainer cell)."""
     train_tasks: int = 0
     """Trainer tasks on the cell, running or queued."""
+    train_running: int = 0
+    """Trainer tasks running on the cell (as of the worker's last heartbeat)."""
     since: float = 0.0
     """When the cell took its role (plugin clock, seconds)."""
     idle_since: float | None = None
@@ -160,8 +162,9 @@ class ElasticPolicy:
     ``drain_s``. Decisions, in order:
 
     1. Executions wait for a batch slot (more than ``consolidate_batch`` per rollout cell): trainer
-       cells without work roll out, but for as many as the arriving work keeps busy on average
-       (``floor(rate * (1 + headroom))``, ``min_trainer`` at least).
+       cells roll out, least training on them first (their queued tasks go to the others), but for as many
+       as the arriving work keeps busy on average (``floor(rate * (1 + headroom))``, ``min_trainer``
+       at least) and as the training need rounds to.
     2. Training short of cells by more than half a cell: rollout cells beyond the rollout need move
        to the trainer pool, fewest live executions first (the least to migrate); busy rollout cells
        too, as far as the rate of arriving work alone needs them and the ready work keeps them busy
@@ -213,13 +216,16 @@ class ElasticPolicy:
         need, keep_up = self.need(snap), snap.train_rate * (1 + self.headroom)
         rollout_need = max(self.min_rollout, math.ceil(sessions / self.consolidate_batch))
         settled = [c for c in snap.cells if not c.moving and snap.time - c.since >= self.dwell_s]
-        free_t = sorted((c for c in settled if c.role == TRAINER and c.train_tasks == 0), key=lambda c: c.address)
-        idle = [c for c in free_t if c.idle_since is not None and snap.time - c.idle_since >= self.idle_s]
+        # Trainer cells that may roll out, least training on them first: a move hands their queued
+        # tasks to the other trainer cells and waits for the one running.
+        free_t = sorted((c for c in settled if c.role == TRAINER), key=lambda c: (c.train_running, c.train_tasks, c.address))
+        idle = [c for c in free_t if c.train_tasks == 0 and c.idle_since is not None
+                and snap.time - c.idle_since >= self.idle_s]
         keep = max(self.min_trainer, math.floor(keep_up))  # trainer cells the arriving work keeps busy
-        # 1. Executions wait for a batch slot: trainer cells without work roll out, but for those
-        #    the arriving work keeps busy on average.
+        # 1. Executions wait for a batch slot: trainer cells roll out, but for those the arriving
+        #    work keeps busy on average and those the ready work needs.
         if sessions > len(rollout) * self.consolidate_batch and free_t:
-            k = min(len(free_t), len(trainer) - keep)
+            k = min(len(free_t), len(trainer) - max(keep, math.ceil(need - 0.5)))
             if k > 0:
                 return [Move(c.address, ROLLOUT, f"{sessions} executions wait for batch slots on {len(rollout)} "
                                                  f"rollout cells") for c in free_t[:k]]

@@ -86,7 +86,8 @@ class PoolsPlugin(SchedulerPlugin):
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
         self.routes = RouteTable(engines=lambda: self.mover.engines(), poke=lambda: self.controller.poke())
-        self.mover = Mover(scheduler, self.routes, self.books, lambda: cell_roles(scheduler), self.clock)
+        self.mover = Mover(scheduler, self.routes, self.books, lambda: cell_roles(scheduler), self.clock,
+                           self.timing.handover_s)
         self.controller = Controller(scheduler, self._policy, self.routes, self.mover, self.books, self.clock, self.timing,
                                      self.routing)
         handlers = {
@@ -170,6 +171,7 @@ class PoolsPlugin(SchedulerPlugin):
             return {"error": str(err)}
         self.mode, self.options = mode, dict(options or {})
         self.timing = self.controller.timing = new_timing
+        self.mover.handover_s = new_timing.handover_s
         self.routing = self.controller.routing = new_routing
         self.controller.policy = policy
         self.controller.poke()
