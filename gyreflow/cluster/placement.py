@@ -163,7 +163,7 @@ class ElasticPolicy:
 
     1. Executions wait for a batch slot (more than ``consolidate_batch`` per rollout cell): trainer
        cells roll out, least training on them first (their queued tasks go to the others), but for as many
-       as the arriving work keeps busy on average (``floor(rate * (1 + headroom))``, ``min_trainer``
+       as keep up with the arriving work (``ceil(rate * (1 + headroom))``, ``min_trainer``
        at least) and as the training need rounds to.
     2. Training short of cells by more than half a cell: rollout cells beyond the rollout need move
        to the trainer pool, fewest live executions first (the least to migrate); busy rollout cells
@@ -221,7 +221,7 @@ class ElasticPolicy:
         free_t = sorted((c for c in settled if c.role == TRAINER), key=lambda c: (c.train_running, c.train_tasks, c.address))
         idle = [c for c in free_t if c.train_tasks == 0 and c.idle_since is not None
                 and snap.time - c.idle_since >= self.idle_s]
-        keep = max(self.min_trainer, math.floor(keep_up))  # trainer cells the arriving work keeps busy
+        keep = max(self.min_trainer, math.ceil(keep_up))  # trainer cells that keep up with the arriving work
         # 1. Executions wait for a batch slot: trainer cells roll out, but for those the arriving
         #    work keeps busy on average and those the ready work needs.
         if sessions > len(rollout) * self.consolidate_batch and free_t:
@@ -233,7 +233,7 @@ class ElasticPolicy:
         #    rate needs them and the ready work keeps them busy for a dwell time.
         if snap.train_work > 0 and need > len(trainer) + 0.5:
             spare = len(rollout) - rollout_need
-            forced = min(math.floor(keep_up), math.floor(snap.train_backlog_s / self.dwell_s) if self.dwell_s > 0
+            forced = min(math.ceil(keep_up), math.floor(snap.train_backlog_s / self.dwell_s) if self.dwell_s > 0
                          else len(snap.cells)) - len(trainer)
             k = min(math.ceil(need - len(trainer) - 0.5), max(spare, forced), len(rollout) - self.min_rollout)
             free = sorted((c for c in settled if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
