@@ -161,6 +161,8 @@ class Mover:
         if not trainer_tasks(self.scheduler.workers.get(addr)):
             await self._set_role(addr, ROLLOUT)
             return {}
+        if not self.trainers():
+            return {"aborted": "trainer tasks on the last trainer cell"}
         # Hand over: out of the trainer pool first, so that its queued tasks go to the others and
         # none starts here, then wait for the one it runs.
         t0 = time.time()
