@@ -142,20 +142,31 @@ class Mover:
         if "error" in out:
             raise MoveFailed(out["error"])
 
-    async def _to_trainer(self, addr: str) -> dict:
+    async def _undoable(self, addr: str, back: str, work) -> dict:
+        """``await work()``; if it fails, ``addr`` goes back to role ``back`` (a :class:`MoveFailed`
+        becomes an ``aborted`` entry, anything else is raised)."""
         try:
+            return await work()
+        except MoveFailed as err:
+            await self._restore(addr, back)
+            return {"aborted": str(err)}
+        except BaseException:
+            await self._restore(addr, back)
+            raise
+
+    async def _to_trainer(self, addr: str) -> dict:
+        async def work() -> dict:
             out = await self.drain(addr)
             t1 = time.time()
             await self._set_role(addr, TRAINER)
-        except MoveFailed as err:
-            await self._restore(addr, ROLLOUT)
-            return {"aborted": str(err)}
-        except Exception:
-            await self._restore(addr, ROLLOUT)
-            raise
+            return out | {"role_s": time.time() - t1}
+
+        out = await self._undoable(addr, ROLLOUT, work)
+        if "aborted" in out:
+            return out
         schedule_unrunnable(self.scheduler, addr)
         self.spread()  # queued shares elsewhere come over now, not at the next tick
-        return out | {"role_s": time.time() - t1}
+        return out
 
     async def _to_rollout(self, addr: str) -> dict:
         if not trainer_tasks(self.scheduler.workers.get(addr)):
@@ -166,18 +177,18 @@ class Mover:
         # Hand over: out of the trainer pool first, so that its queued tasks go to the others and
         # none starts here, then wait for the one it runs.
         t0 = time.time()
-        try:
+
+        async def work() -> dict:
             await self._set_role(addr, None)
             self.spread()
             out = await self.scheduler.rpc(addr).gyreflow_training_done(timeout=self.clock.to_wall(self.handover_s))
             if out.get("running"):
                 raise MoveFailed(f"a trainer task still ran on the cell after {self.handover_s:.0f}s")
-        except MoveFailed as err:
-            await self._restore(addr, TRAINER)
-            return {"aborted": str(err)}
-        except BaseException:
-            await self._restore(addr, TRAINER)
-            raise
+            return {}
+
+        out = await self._undoable(addr, TRAINER, work)
+        if "aborted" in out:
+            return out
         await self._set_role(addr, ROLLOUT)
         return {"handover_s": self.clock.from_wall(time.time() - t0)}
 
