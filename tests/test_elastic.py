@@ -206,6 +206,12 @@ def trainer_task(tag: str, seconds: float) -> dict:
     return {"tag": tag, "worker": w.address, "before": before, "after": dict(w.state.total_resources)}
 
 
+def gated_trainer_task(tag: str, seconds: float, gate: str) -> dict:
+    """:func:`trainer_task` once Dask event ``gate`` is set."""
+    Event(gate).wait(timeout=60)
+    return trainer_task(tag, seconds)
+
+
 def execution(eid: str, index: int, min_calls: int, max_tokens: int, stop: str) -> dict:
     """An agent-like execution: sequential calls of one session, each prompt extending the last
     call's prompt and completion, until ``stop`` is set (at least ``min_calls``)."""
@@ -405,7 +411,10 @@ def test_queued_trainer_tasks_spread_to_a_new_trainer_cell(client, published):
     joins the trainer pool, queued ones move to it."""
     names = layout(client, published)
     c1, c2 = names["cell-1"], names["cell-2"]
-    futs = [client.submit(trainer_task, f"q{i}", 0.5, key=f"trap-queued-{i}", resources=TRAIN, pure=False)
+    # Every task waits for the move before it works, so none can finish before cell-1 joins,
+    # however slow the machine.
+    gate = f"trap-queued-go-{time.time()}"
+    futs = [client.submit(gated_trainer_task, f"q{i}", 0.5, gate, key=f"trap-queued-{i}", resources=TRAIN, pure=False)
             for i in range(4)]
 
     def on(keys, dask_scheduler=None):
@@ -414,6 +423,7 @@ def test_queued_trainer_tasks_spread_to_a_new_trainer_cell(client, published):
 
     wait_for(lambda: client.run_on_scheduler(on, [f.key for f in futs]) == [c2] * 4, what="all four queued on cell-2")
     move(client, c1, TRAINER)
+    Event(gate, client=client).set()
     outs = [f.result(timeout=30) for f in futs]
     where = [o["worker"] for o in outs]
     assert set(where) <= {c1, c2}
