@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -30,17 +31,25 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+RECIPES = {"grpo": "gyreflow.recipes.grpo"}
+"""Pipelines by name that ship with the package."""
+
+
 def find_pipeline(name: str):
-    """A pipeline module by name (``pipelines/<name>.py`` of the checkout, or ``$GYREFLOW_PIPELINES``)
-    or by path to a ``.py`` file. It must define ``run(client, cfg, run_dir, log=...)``."""
+    """A pipeline module by name (a recipe of the package, ``pipelines/<name>.py`` of the checkout,
+    or of ``$GYREFLOW_PIPELINES``) or by path to a ``.py`` file. It must define
+    ``run(client, cfg, run_dir, log=...)``."""
+    if name in RECIPES:
+        return importlib.import_module(RECIPES[name])
     if name.endswith(".py"):
         path = Path(name)
     else:
         dirs = [Path(d) for d in os.environ.get("GYREFLOW_PIPELINES", "").split(os.pathsep) if d] + [REPO_PIPELINES]
         path = next((d / f"{name}.py" for d in dirs if (d / f"{name}.py").is_file()), None)
         if path is None:
-            known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.py") if not p.stem.startswith("_")})
-            raise click.UsageError(f"unknown pipeline {name!r}; available: {', '.join(known) or 'none'}")
+            known = sorted({*RECIPES, *(p.stem for d in dirs if d.is_dir() for p in d.glob("*.py")
+                                       if not p.stem.startswith("_"))})
+            raise click.UsageError(f"unknown pipeline {name!r}; available: {', '.join(known)}")
     if not path.is_file():
         raise click.UsageError(f"pipeline file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"gyreflow_pipeline_{path.stem}", path)
@@ -63,26 +72,40 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default: storage/runs/<time>).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
+              help="Continue this interrupted run directory from its last committed step (its config; --set may "
+                   "raise rl.steps).")
 @click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded cluster).")
 @click.option("--sft-cache", type=click.Path(file_okay=False), default="storage/sft-cache", show_default=True,
               help="Reuse SFT warm starts with identical settings from here ('' disables).")
-def run(pipeline_name, config_path, overrides, out, scheduler, sft_cache) -> None:
+def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_cache) -> None:
     """Run a training pipeline; writes archive, checkpoints and report.json into the run directory."""
     from gyreflow.config import ConfigError, load_config
 
     _quiet()
     pipeline = find_pipeline(pipeline_name)
+    if resume_dir:
+        if config_path or out:
+            raise click.UsageError("--resume takes the run directory's own config and place: drop --config/--out")
+        run_dir = Path(resume_dir)
+        _check_resumable(run_dir)
+        config_path = run_dir / "config.json"
+    else:
+        run_dir = Path(out) if out else Path("storage", "runs", time.strftime("run-%Y%m%d-%H%M%S"))
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise click.UsageError(f"run directory {run_dir} already exists and is not empty; choose another --out "
+                                   f"(or continue it with --resume {run_dir})")
     try:
         cfg = load_config(config_path, list(overrides))
     except ConfigError as err:
         raise click.UsageError(f"invalid config: {err}") from None
-    run_dir = Path(out) if out else Path("storage", "runs", time.strftime("run-%Y%m%d-%H%M%S"))
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise click.UsageError(f"run directory {run_dir} already exists and is not empty; choose another --out")
+    if resume_dir:
+        _check_steps_left(run_dir, cfg.rl.steps)
 
     from distributed import Client
 
     from gyreflow.cluster.local import ClusterError, PoolSpec, connect, local_cluster
+    from gyreflow.train.checkpoint import CheckpointError
 
     cluster = None
     try:
@@ -104,17 +127,20 @@ def run(pipeline_name, config_path, overrides, out, scheduler, sft_cache) -> Non
     console.print(f"run directory: {run_dir}")
     code = 0
     try:
-        report = pipeline.run(client, cfg, run_dir, log=console.print, cache_dir=Path(sft_cache) if sft_cache else None)
+        kwargs = {"resume": True} if resume_dir else {}
+        report = pipeline.run(client, cfg, run_dir, log=console.print, cache_dir=Path(sft_cache) if sft_cache else None,
+                              **kwargs)
         last = report["steps"][-1] if report["steps"] else {}
         console.print(f"held-out pass rate: {report['initial_heldout_pass_rate']:.3f} -> "
                       f"{last.get('heldout_pass_rate', float('nan')):.3f}; report: {run_dir / 'report.json'}")
     except KeyboardInterrupt:
         # The interrupted gather's task ends with the cancelled futures; that is expected here.
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-        console.print("[yellow]interrupted[/yellow]: committed steps stay readable in the archive")
+        console.print(f"[yellow]interrupted[/yellow]: committed steps stay readable in the archive; continue with "
+                      f"gyreflow run --resume {run_dir}")
         _mark_interrupted(run_dir)
         code = 130
-    except ClusterError as err:
+    except (ClusterError, CheckpointError) as err:
         console.print(f"[red]error:[/red] {err}")
         code = 2
     finally:
@@ -126,6 +152,31 @@ def run(pipeline_name, config_path, overrides, out, scheduler, sft_cache) -> Non
         except Exception:
             pass
     sys.exit(code)
+
+
+def _check_resumable(run_dir: Path) -> None:
+    """Refuse, naming why, a directory that is not a gyreflow run that can be continued."""
+    if not run_dir.is_dir():
+        raise click.UsageError(f"cannot resume {run_dir}: no such directory")
+    missing = [name for name in ("config.json", "report.json", "archive.zarr") if not (run_dir / name).exists()]
+    if missing:
+        raise click.UsageError(f"cannot resume {run_dir}: it is not a gyreflow run directory ({', '.join(missing)} "
+                               f"missing)")
+    from gyreflow.storage import ArchiveReader
+
+    try:
+        ArchiveReader(run_dir / "archive.zarr")
+    except (ValueError, FileNotFoundError) as err:
+        raise click.UsageError(f"cannot resume {run_dir}: {err}") from None
+
+
+def _check_steps_left(run_dir: Path, steps: int) -> None:
+    from gyreflow.storage import ArchiveReader
+
+    committed = ArchiveReader(run_dir / "archive.zarr").committed_steps
+    if committed and max(committed) + 1 >= steps:
+        raise click.UsageError(f"run {run_dir} has committed all its {steps} steps; raise rl.steps with --set to "
+                               f"train on")
 
 
 def _mark_interrupted(run_dir: Path) -> None:
@@ -197,31 +248,110 @@ def serve(checkpoint, out, host, port, sessions, model_name, max_calls, token_bu
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False))
-def inspect(run_dir) -> None:
-    """Summarise a run directory: report and committed archive steps."""
-    import json
+@click.argument("path", type=click.Path(file_okay=False))
+@click.option("--verify", is_flag=True, help="Check every committed step; exit 1 naming the first damage.")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False),
+              help="Write reward.png, pass_rate.png and tokens.png here.")
+def inspect(path, verify, plots_dir) -> None:
+    """Summarise an archive (or a run directory): per committed step, executions, tokens, rewards,
+    end reasons, dedup ratio."""
+    from gyreflow.recipes.replay import archive_of
+    from gyreflow.storage import ArchiveReader
+    from gyreflow.storage.summary import plot, step_rows
+    from gyreflow.storage.verify import ArchiveDamaged, verify as verify_archive
 
+    archive = archive_of(path)
+    if not Path(path).exists():
+        raise click.UsageError(f"{path} does not exist")
+    if verify:
+        try:
+            v = verify_archive(archive)
+        except ArchiveDamaged as err:
+            console.print(f"[red]damaged:[/red] {err}")
+            sys.exit(1)
+        console.print(f"ok: {archive} (schema {v.schema_version}): {len(v.steps)} committed steps, {v.executions} "
+                      f"executions, {v.calls} calls, {v.tokens} tokens, {v.files} files, no pickles")
+        return
+    try:
+        reader = ArchiveReader(archive)
+    except (ValueError, FileNotFoundError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        sys.exit(2)
+    rows = step_rows(reader)
+    console.print(f"{archive}: schema {reader.schema_version}, {len(rows)} committed steps")
+    console.print("step  train  held-out  calls   tokens  stored  dedup  reward  pass  held-out pass  end reasons")
+    for r in rows:
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["end_reasons"].items()))
+        console.print(f"{r['step']:>4}  {r['train_executions']:>5}  {r['heldout_executions']:>8}  {r['calls']:>5}  "
+                      f"{r['tokens']:>7}  {r['stored_tokens']:>6}  {fmt(r['dedup_ratio'], '5.2f')}  "
+                      f"{fmt(r['train_reward'], '6.3f')}  {fmt(r['train_pass_rate'], '4.2f')}  "
+                      f"{fmt(r['heldout_pass_rate'], '13.3f')}  {reasons}")
+    if plots_dir:
+        for written in plot(rows, Path(plots_dir)):
+            console.print(f"plot: {written}")
+
+
+@main.command()
+@click.argument("archive", type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory of the replay.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+              help="Override a field of the config the archive's run stored.")
+@click.option("--init", "init_dir", type=click.Path(file_okay=False),
+              help="Policy to start from (default: the one the run started its RL steps from).")
+@click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded cluster).")
+def replay(archive, out, overrides, init_dir, scheduler) -> None:
+    """Train again from a trajectory archive (no engine, no rollout); writes OUT/report.json and
+    OUT/checkpoints/final."""
+    from gyreflow.config import ConfigError
+    from gyreflow.recipes import replay as recipe
     from gyreflow.storage import ArchiveReader
 
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise click.UsageError(f"run directory {run_dir} does not exist")
-    report = run_dir / "report.json"
-    if report.is_file():
-        data = json.loads(report.read_text())
-        console.print(f"initial held-out pass rate: {data.get('initial_heldout_pass_rate')}")
-        for s in data.get("steps", []):
-            held = "-" if s.get("heldout_pass_rate") is None else f"{s['heldout_pass_rate']:.3f}"
-            console.print(f"  step {s['step']}: held-out {held}  reward {s['mean_reward']:.3f}  "
-                          f"tokens {s['tokens_generated']}  staleness {s['max_staleness']}")
-    archive = run_dir / "archive.zarr"
-    if archive.exists():
-        reader = ArchiveReader(archive)
-        for step in reader.committed_steps:
-            console.print(f"archive step {step}: {len(reader.executions(step))} executions")
-    elif not report.is_file():
-        raise click.UsageError(f"{run_dir} is not a gyreflow run directory (no report.json, no archive.zarr)")
+    _quiet()
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise click.UsageError(f"{out_dir} already exists and is not empty; choose another --out")
+    path = recipe.archive_of(archive)
+    try:
+        reader = ArchiveReader(path)
+        cfg = recipe.replay_config(reader, list(overrides))
+    except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
+        kind = "invalid config" if isinstance(err, ConfigError) else "not a replayable archive"
+        raise click.UsageError(f"{kind}: {err}") from None
+    if not reader.committed_steps:
+        raise click.UsageError(f"archive {path} has no committed step to replay")
+
+    from distributed import Client
+
+    from gyreflow.cluster.local import ClusterError, PoolSpec, connect, install_trainers, local_cluster
+
+    cluster = None
+    try:
+        if scheduler:
+            client = connect(scheduler)
+        else:
+            cluster = local_cluster(PoolSpec(rollout=0, trainer=cfg.cluster.trainer_workers or 1, execution_slots=8,
+                                             dashboard_address=cfg.cluster.dashboard_address))
+            client = Client(cluster)
+    except ClusterError as err:
+        console.print(f"[red]error:[/red] {err}")
+        sys.exit(2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    code = 0
+    try:
+        install_trainers(client, cfg.cluster.torch_threads)
+        console.print(f"dashboard: {client.dashboard_link}")
+        report = recipe.run(client, cfg, path, out_dir, init=init_dir, log=console.print)
+        console.print(f"replayed {len(report['steps'])} steps: {report['trained_tokens']} trained tokens, "
+                      f"{report['trained_tokens_per_s']:.0f} tokens/s; weights: {report['final']}")
+    except FileNotFoundError as err:
+        console.print(f"[red]error:[/red] {err}")
+        code = 2
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    sys.exit(code)
 
 
 @main.group()

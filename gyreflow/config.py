@@ -99,6 +99,12 @@ class RLConfig:
     aggregation: str = "execution_mean"
     """How the step's loss averages samples (registry ``gyreflow.algo.AGGREGATIONS``): the paper's
     two-level mean (tokens within an execution, then executions), or ``token_mean``."""
+    checkpoint_every: int = 1
+    """Write an RL checkpoint (policy, optimizer, RL state) after every this many committed steps;
+    ``gyreflow run --resume`` continues from the last one (committed steps after it are trained
+    again from the archive)."""
+    keep_checkpoints: int = 2
+    """Step checkpoints kept (the newest; 0: all)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("rl.staleness", cfg.rl.staleness, allow_zero=True)
     _positive("rl.shares_per_group", cfg.rl.shares_per_group)
     _positive("rl.eval_every", cfg.rl.eval_every)
+    _positive("rl.checkpoint_every", cfg.rl.checkpoint_every)
+    _positive("rl.keep_checkpoints", cfg.rl.keep_checkpoints, allow_zero=True)
     _positive("rl.clip_eps", cfg.rl.clip_eps)
     _positive("rl.clip_eps_high", cfg.rl.clip_eps_high, allow_zero=True)
     _positive("rl.is_cap", cfg.rl.is_cap, allow_zero=True)
@@ -344,5 +352,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid JSON: {err}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {path} must hold a JSON object")
+    return config_from(values, overrides)
+
+
+def config_from(values: dict, overrides: list[str] | None = None) -> RunConfig:
+    """A config from JSON ``values`` (e.g. the ``config`` a run stored), then ``overrides``; validated."""
     values = _merge(values, parse_overrides(overrides or []))
     return validate(_build("", RunConfig, values))

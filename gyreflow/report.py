@@ -13,6 +13,21 @@ class Report:
         self.data: dict = {"initial_heldout_pass_rate": None, "steps": [], **fields}
         self.write()
 
+    @classmethod
+    def reopen(cls, run_dir: Path, steps: list[int]) -> "Report":
+        """The report of an interrupted run, keeping the entries of ``steps`` (those committed)."""
+        path = Path(run_dir) / "report.json"
+        data = json.loads(path.read_text())
+        report = cls.__new__(cls)
+        report.path = path
+        keep = set(steps)
+        data["steps"] = [s for s in data.get("steps", []) if s.get("step") in keep]
+        data.pop("completed", None)
+        data.pop("interrupted", None)
+        report.data = data
+        report.write()
+        return report
+
     def set(self, **fields) -> None:
         self.data.update(fields)
         self.write()

@@ -183,3 +183,9 @@ def install(client: Client, torch_threads: int | None, engine_options: dict, mod
                       routing=dataclasses.asdict(routing) if routing else None)
     if "error" in out:
         raise ClusterError(f"placement {mode!r}: {out['error']}")
+
+
+def install_trainers(client: Client, torch_threads: int | None) -> None:
+    """Register only the trainer service (what a replay needs: no engine, no routing)."""
+    if TrainerService.name not in set(client.run_on_scheduler(_registered)):
+        client.register_plugin(TrainerService(torch_threads))

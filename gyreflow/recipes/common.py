@@ -1,0 +1,84 @@
+"""What the recipes share: engine settings, the cells that get weights, held-out evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from distributed import Client, Future, wait
+
+from gyreflow.cluster.local import cells_of
+from gyreflow.cluster.modes import mode as placement_mode
+from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.config import RunConfig
+from gyreflow.model.tokenizer import VOCAB_SIZE
+from gyreflow.stages import run_execution
+from gyreflow.stepgraph import SLOT
+from gyreflow.storage import write_executions
+from gyreflow.trajectory.records import END_REASONS
+
+
+def engine_options(cfg: RunConfig) -> dict:
+    ctx = cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call + 64
+    return {"max_batch": cfg.cluster.engine_max_batch, "max_seq_len": ctx,
+            "retain_slots": 2 * cfg.cluster.engine_max_batch}
+
+
+def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
+    """Cells whose engines get each weights version: those that may roll out in this mode."""
+    pools = cells_of(client)
+    return pools[ROLLOUT] + (pools[TRAINER] if placement_mode(cfg.cluster.placement).trainers_roll_out else [])
+
+
+def step_args(cfg: RunConfig) -> tuple[tuple, tuple, tuple]:
+    """The advantage, gradient and tree arguments of a step's tasks under ``cfg``."""
+    loss_kwargs = {"clip_eps": cfg.rl.clip_eps, "clip_eps_high": cfg.rl.clip_eps_high or None,
+                   "clip_ratio_c": cfg.rl.clip_ratio_c or None}
+    staleness = placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness)
+    return ((cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed, cfg.rl.tree_training),
+            (cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap),
+            (VOCAB_SIZE, cfg.model.max_position_embeddings))
+
+
+def end_reasons(results) -> dict[str, int]:
+    """How many executions ended with each reason (every reason listed, zeros included)."""
+    return {reason: sum(r.end_reason == reason for r in results) for reason in END_REASONS}
+
+
+@dataclass
+class Evaluation:
+    """Held-out executions of one weights version, running; their archive write into ``step``."""
+
+    version: int
+    step: int
+    executions: list[Future]
+    writes: list[Future]
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.executions + self.writes)
+
+    def wait(self) -> None:
+        """Until every held-out execution has ended (the engines may then take another version)."""
+        wait(self.executions)
+
+    def summary(self, client: Client) -> dict:
+        """Pass rate, mean reward and end reasons (blocks until the executions end)."""
+        results = client.gather(self.executions)
+        # Executions the system failed are no verdict on the policy: rates are over the others.
+        judged = [r for r in results if not r.dropped] or results
+        return {"pass_rate": float(np.mean([r.passed for r in judged])),
+                "mean_reward": float(np.mean([r.reward for r in judged])), "end_reasons": end_reasons(results)}
+
+
+def evaluate(client: Client, heldout, source, cfg: RunConfig, version: int, archive: Path | None,
+             step: int) -> Evaluation:
+    """Submit the held-out executions of the weights now on the engines (``version``), and their
+    archive write (split ``heldout``) into the archive's ``step``; returns at once."""
+    futures = [client.submit(run_execution, task, source.agent(), f"eval-v{version}-{i}", step, 0, cfg.rl.seed,
+                             cfg.rl.retries, key=f"eval-v{version}-{i}", resources=SLOT)
+               for i, task in enumerate(heldout)]
+    writes = [] if archive is None else [
+        client.submit(write_executions, str(archive), futures, f"eval-v{version}", key=f"archive-eval-v{version}",
+                      resources=SLOT)]
+    return Evaluation(version, step, futures, writes)
