@@ -98,6 +98,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
         resume: bool = False) -> dict:
     """Run (or, with ``resume``, continue) GRPO into ``run_dir``; returns the report's data."""
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     check_pools(client, cfg.cluster.rollout_workers, cfg.cluster.trainer_workers, cfg.cluster.placement,
                 placement_options(cfg))
     install(client, cfg.cluster.torch_threads, engine_options(cfg), cfg.cluster.placement, placement_options(cfg),
@@ -159,6 +160,12 @@ def restart(client: Client, cfg: RunConfig, run_dir: Path, archive: Path, source
     ckpts = {s: p for s, p in checkpoints(run_dir).items() if s in committed}
     base = max(ckpts) if ckpts else None
     report = Report.reopen(run_dir, committed)
+    reader = replay.ArchiveReader(archive)
+    have = {e["step"] for e in report.data["steps"]}
+    for step in committed:  # committed, but the driver died before the report said so
+        if step not in have:
+            report.data["steps"].append({"step": step, **reader.summary(step), "restored_from_archive": True})
+    report.data["steps"].sort(key=lambda e: e["step"])
     d = Driver(client, cfg, run_dir, archive, report, source, log)
     if base is not None:
         log(f"resuming from the checkpoint of step {base} ({ckpts[base]})")
@@ -174,7 +181,6 @@ def restart(client: Client, cfg: RunConfig, run_dir: Path, archive: Path, source
     redo = [s for s in committed if base is None or s > base]
     if redo:
         log(f"training committed steps {redo} again from the archive")
-        reader = replay.ArchiveReader(archive)
         published = client.submit(weights_of, state, key="resume-weights")
         for step in redo:
             futures = replay.submit_replayed_step(client, reader, step, cfg, state, published)

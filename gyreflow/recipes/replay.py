@@ -132,6 +132,7 @@ def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path
     """Replay ``archive``'s committed steps (or ``steps``) with ``cfg``; writes ``out_dir/report.json``
     and ``out_dir/checkpoints/final`` (Hugging Face format with the optimizer and RL state)."""
     out_dir, reader = Path(out_dir), ArchiveReader(archive_of(archive))
+    out_dir.mkdir(parents=True, exist_ok=True)
     init = Path(init) if init else initial_checkpoint(reader)
     if init is None or not (init / "config.json").is_file():
         raise FileNotFoundError(f"no initial policy for archive {reader.path!r} (looked for {init}); pass --init DIR")
