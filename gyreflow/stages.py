@@ -10,7 +10,9 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -34,6 +36,9 @@ from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.reduce import GradientShare, msg_to_share
 from gyreflow.train.state import GroupSamples, PolicyState, PublishedWeights
 from gyreflow.train.trainer import Trainer
+from gyreflow.storage import ArchiveReader
+from gyreflow.storage.reader import load_from_segment
+from gyreflow.storage.writer import tokens_digest, write_executions
 from gyreflow.trajectory.records import ExecutionResult, record_problems
 from gyreflow.trajectory.group import group_tree
 from gyreflow.trajectory.tree import TrajectoryTree, build_tree
@@ -157,6 +162,48 @@ def make_tree(result: ExecutionResult, vocab_size: int | None = None,
                                           result.split, [], 0.0, False, "infra_failure",
                                           {"invalid_records": problems}))
     return build_tree(result)
+
+
+_READERS: OrderedDict[str, ArchiveReader] = OrderedDict()
+_READERS_LOCK = threading.Lock()
+
+
+def archived_execution(archive: str, step: int, execution_id: str) -> ExecutionResult:
+    """An execution read back from the archive, token-exact (a replay's stand-in for running it).
+    Readers are kept per process, so a segment is decoded once for all its executions."""
+    with _READERS_LOCK:
+        reader = _READERS.get(archive)
+        if reader is None:
+            reader = _READERS[archive] = ArchiveReader(archive)
+            while len(_READERS) > 4:
+                _READERS.popitem(last=False)
+        elif step not in reader.committed_steps:
+            reader.refresh()  # committed since this process first read it
+        return reader.load_execution(step, execution_id)
+
+
+def archive_group(archive: str, results: list[ExecutionResult], segment: str,
+                  trees: list[TrajectoryTree]) -> list[dict]:
+    """Write a group's executions into the archive as one segment; a segment already complete is
+    kept (the first write wins: see :func:`archived_trees`). Runs in an execution slot."""
+    return write_executions(archive, results, segment, trees, keep_existing=True)
+
+
+def archived_trees(trees: list[TrajectoryTree], written: list[dict], archive: str, segment: str,
+                   vocab_size: int | None = None, max_positions: int | None = None) -> list[TrajectoryTree]:
+    """The group's trees as its archive segment holds them. When a worker dies, Dask runs lost
+    executions again; a re-run that differs from what was archived is replaced by the archived
+    execution, so a step trains exactly what its archive holds. Runs in an execution slot."""
+    digests = {w["execution_id"]: w.get("digest") for w in written}
+    out = []
+    for t in trees:
+        if digests.get(t.execution_id) in (None, tokens_digest(t.tokens)):
+            out.append(t)
+            continue
+        step = next(int(w["step"]) for w in written if w["execution_id"] == t.execution_id)
+        logger.warning("execution %s ran again after its worker died; training the archived run", t.execution_id)
+        out.append(make_tree(load_from_segment(archive, step, segment, t.execution_id), vocab_size, max_positions))
+    return out
 
 
 def group_advantages(trees: list[TrajectoryTree], estimator: str, j_max: int = 0,

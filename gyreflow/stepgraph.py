@@ -50,6 +50,12 @@ class Stages:
     """``weights(state) -> published``."""
     publish: Callable[[dict], dict]
     """``publish(published) -> info``, run on one cell."""
+    archive: Callable[..., list] | None = None
+    """``archive(archive_path, results, segment, trees) -> summaries``: a group's executions into
+    the archive, before its training; ``None``: nothing archived."""
+    archived: Callable[..., list] | None = None
+    """``archived(trees, summaries, archive_path, segment, *tree_args) -> trees``: the trees as
+    archived (what the group trains when ``archive`` is set)."""
 
 
 @dataclass(frozen=True)
@@ -71,25 +77,37 @@ class StepFutures:
     """The RL state after this step's update."""
     published: Future
     """Its weights, for engines and the next step's gradient shares."""
+    writes: list[Future] = field(default_factory=list)
+    """Each group's archive write (its executions' summaries), when the stages archive."""
     started: float = field(default_factory=time.time)
 
 
 def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stages, state: Future,
                 published: Future, advantage_args: tuple = (), gradient_args: tuple = (),
-                shares_per_group: int = 1, tree_args: tuple = ()) -> StepFutures:
+                shares_per_group: int = 1, tree_args: tuple = (), archive: str | None = None) -> StepFutures:
     """Submit one step's tasks; ``state``/``published``: the RL state the step updates and its
     weights (the futures of the previous step, or of the warm start). Each group's gradient work
     is cut into ``shares_per_group`` tasks, so the group of the step's last execution is trained
-    by several cells at once."""
-    executions, trees, group_futs, shares = [], [], [], []
-    for g in groups:
-        group_trees = []
+    by several cells at once. With ``archive`` (and the archive stages), each group is written as
+    segment ``group-<k>`` before it trains, and trains what was written."""
+    executions, trees, group_futs, shares, writes = [], [], [], [], []
+    for k, g in enumerate(groups):
+        group_ex, group_trees = [], []
         for eid, args in g.executions:
             ex = client.submit(stages.execute, *args, key=eid, resources=SLOT)
-            executions.append(ex)
+            group_ex.append(ex)
             group_trees.append(client.submit(stages.tree, ex, *tree_args, key=f"tree-{eid}", resources=SLOT))
+        executions.extend(group_ex)
         trees.extend(group_trees)
-        adv = client.submit(stages.advantages, group_trees, *advantage_args, key=f"advantages-{step}-{g.task_id}",
+        trained = group_trees
+        if archive is not None and stages.archive is not None:
+            segment = f"group-{k:04d}"  # task ids may not be path-safe
+            written = client.submit(stages.archive, archive, group_ex, segment, group_trees,
+                                    key=f"archive-{step}-{g.task_id}", resources=SLOT)
+            writes.append(written)
+            trained = client.submit(stages.archived, group_trees, written, archive, segment, *tree_args,
+                                    key=f"archived-{step}-{g.task_id}", resources=SLOT)
+        adv = client.submit(stages.advantages, trained, *advantage_args, key=f"advantages-{step}-{g.task_id}",
                             resources=SLOT)
         group_futs.append(adv)
         shares.extend(client.submit(stages.gradient, adv, published, j, shares_per_group, *gradient_args,
@@ -97,7 +115,7 @@ def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stag
                       for j in range(shares_per_group))
     update = client.submit(stages.update, step, shares, state, key=f"update-{step}", resources=TRAIN)
     nxt = client.submit(stages.weights, update, key=f"weights-v{step + 1}")
-    return StepFutures(step, executions, trees, group_futs, shares, update, nxt)
+    return StepFutures(step, executions, trees, group_futs, shares, update, nxt, writes)
 
 
 def publish(client: Client, stages: Stages, published: Future, cells: Sequence[str], version: int) -> list[dict]:

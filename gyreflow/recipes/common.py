@@ -16,7 +16,7 @@ from gyreflow.model.tokenizer import VOCAB_SIZE
 from gyreflow.stages import run_execution
 from gyreflow.stepgraph import SLOT
 from gyreflow.storage import write_executions
-from gyreflow.trajectory.records import END_REASONS
+from gyreflow.trajectory.records import END_REASONS, RETRIED
 
 
 def engine_options(cfg: RunConfig) -> dict:
@@ -41,9 +41,21 @@ def step_args(cfg: RunConfig) -> tuple[tuple, tuple, tuple]:
             (VOCAB_SIZE, cfg.model.max_position_embeddings))
 
 
-def end_reasons(results) -> dict[str, int]:
-    """How many executions ended with each reason (every reason listed, zeros included)."""
-    return {reason: sum(r.end_reason == reason for r in results) for reason in END_REASONS}
+def end_reasons(executions) -> dict[str, int]:
+    """How many executions (results, or archive summaries) ended with each reason (every reason
+    listed, zeros included)."""
+    ends = [e["end_reason"] if isinstance(e, dict) else e.end_reason for e in executions]
+    return {reason: ends.count(reason) for reason in END_REASONS}
+
+
+def rates(executions) -> dict:
+    """Pass rate, mean reward and end reasons of executions (results, or archive summaries). Those
+    the system failed are no verdict on the policy: rates are over the others."""
+    rows = [e if isinstance(e, dict) else {"end_reason": e.end_reason, "passed": e.passed, "reward": e.reward}
+            for e in executions]
+    judged = [r for r in rows if r["end_reason"] not in RETRIED] or rows
+    return {"pass_rate": float(np.mean([r["passed"] for r in judged])),
+            "mean_reward": float(np.mean([r["reward"] for r in judged])), "end_reasons": end_reasons(rows)}
 
 
 @dataclass
@@ -63,12 +75,11 @@ class Evaluation:
         wait(self.executions)
 
     def summary(self, client: Client) -> dict:
-        """Pass rate, mean reward and end reasons (blocks until the executions end)."""
-        results = client.gather(self.executions)
-        # Executions the system failed are no verdict on the policy: rates are over the others.
-        judged = [r for r in results if not r.dropped] or results
-        return {"pass_rate": float(np.mean([r.passed for r in judged])),
-                "mean_reward": float(np.mean([r.reward for r in judged])), "end_reasons": end_reasons(results)}
+        """Pass rate, mean reward and end reasons (blocks until the executions end): of the
+        executions as archived, where they are."""
+        if self.writes:
+            return rates([s for group in client.gather(self.writes) for s in group])
+        return rates(client.gather(self.executions))
 
 
 def evaluate(client: Client, heldout, source, cfg: RunConfig, version: int, archive: Path | None,
@@ -80,5 +91,5 @@ def evaluate(client: Client, heldout, source, cfg: RunConfig, version: int, arch
                for i, task in enumerate(heldout)]
     writes = [] if archive is None else [
         client.submit(write_executions, str(archive), futures, f"eval-v{version}", key=f"archive-eval-v{version}",
-                      resources=SLOT)]
+                      keep_existing=True, resources=SLOT)]
     return Evaluation(version, step, futures, writes)

@@ -40,6 +40,8 @@ from gyreflow.recipes.common import Evaluation, end_reasons, engine_cells, engin
 from gyreflow.report import Report
 from gyreflow.stages import (
     apply_update,
+    archive_group,
+    archived_trees,
     gradient_share,
     group_advantages,
     make_tree,
@@ -49,11 +51,13 @@ from gyreflow.stages import (
     weights_of,
 )
 from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
-from gyreflow.storage import ArchiveWriter, commit_step, create_archive, write_executions
+from gyreflow.storage import ArchiveWriter, commit_step, create_archive
+from gyreflow.trajectory.records import RETRIED
 from gyreflow.train.checkpoint import CheckpointError, load_state, read_meta, save_state, step_dir
 
 STAGES = Stages(execute=run_execution, tree=make_tree, advantages=group_advantages, gradient=gradient_share,
-                update=apply_update, weights=weights_of, publish=publish_weights)
+                update=apply_update, weights=weights_of, publish=publish_weights, archive=archive_group,
+                archived=archived_trees)
 SFT_DIR = "checkpoints/sft"
 
 
@@ -215,17 +219,12 @@ def launch(d: Driver, step: int, state: Future, published: Future) -> StepInFlig
         for name, task in zip(group_names(tasks), tasks)
     ]
     advantage_args, gradient_args, tree_args = step_args(cfg)
+    # Each group is archived (one segment, from the trees built for training) before it trains,
+    # and trains what was archived.
     futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=advantage_args,
-                          gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args)
-    # One archive segment per group, written once the group's executions are done, from the trees
-    # built for training.
-    writes, at = [], 0
-    for k, g in enumerate(groups):
-        done, trees = (f[at : at + len(g.executions)] for f in (futures.executions, futures.trees))
-        at += len(g.executions)
-        writes.append(client.submit(write_executions, str(d.archive), done, f"group-{k:04d}",  # ids may not be path-safe
-                                    trees, key=f"archive-{step}-{g.task_id}", resources=SLOT))
-    return StepInFlight(futures, writes)
+                          gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args,
+                          archive=str(d.archive))
+    return StepInFlight(futures, futures.writes)
 
 
 def group_names(tasks) -> list[str]:
@@ -264,8 +263,9 @@ def commit_ready(d: Driver, trained: deque[StepInFlight], block: bool = False) -
 def commit(d: Driver, sf: StepInFlight) -> None:
     """Checkpoint on disk, then the archive step, then the report entry; log the step."""
     client, cfg = d.client, d.cfg
-    results = client.gather(sf.futures.executions)
-    judged = [r for r in results if not r.dropped] or results
+    # Figures from what the archive holds (a re-run after a worker died is not what was trained).
+    written = [s for group in client.gather(sf.writes) for s in group]
+    judged = [s for s in written if s["end_reason"] not in RETRIED] or written
     ev = {"pass_rate": None, "mean_reward": None}
     for evaluation in sf.evaluations:
         if evaluation.version == sf.version:
@@ -275,13 +275,13 @@ def commit(d: Driver, sf: StepInFlight) -> None:
             d.report.set(initial_heldout_pass_rate=start["pass_rate"], initial_heldout_mean_reward=start["mean_reward"])
             d.log(f"starting policy: held-out pass rate {start['pass_rate']:.3f} (mean reward {start['mean_reward']:.3f})")
     eval_writes = [f for e in sf.evaluations for f in e.writes]
-    summaries = [s for written in client.gather(sf.writes + eval_writes) for s in written]
+    summaries = written + [s for group in client.gather(eval_writes) for s in group]
     if sf.checkpoint is not None:
         sf.checkpoint.result()
-    tokens = int(sum(r.tokens_generated for r in results))
+    tokens = int(sum(s["n_completion_tokens"] for s in written))
     summary = {"version": sf.version, "heldout_pass_rate": ev["pass_rate"],
-               "mean_reward": float(np.mean([r.reward for r in judged])), "tokens_generated": tokens,
-               "end_reasons": end_reasons(results)}
+               "mean_reward": float(np.mean([s["reward"] for s in judged])), "tokens_generated": tokens,
+               "end_reasons": end_reasons(written)}
     commit_step(str(d.archive), sf.step, summary, expected=[s["execution_id"] for s in summaries])
     prune_checkpoints(d.run_dir, cfg.rl.keep_checkpoints)
     now = time.time()
@@ -292,7 +292,7 @@ def commit(d: Driver, sf: StepInFlight) -> None:
         "heldout_pass_rate": ev["pass_rate"],
         "heldout_mean_reward": ev["mean_reward"],
         "mean_reward": summary["mean_reward"],
-        "train_pass_rate": float(np.mean([r.passed for r in judged])),
+        "train_pass_rate": float(np.mean([s["passed"] for s in judged])),
         "tokens_generated": tokens,
         "end_reasons": summary["end_reasons"],
         "heldout_end_reasons": ev.get("end_reasons"),

@@ -15,9 +15,7 @@ weights (the same samples, seeds and updates); any algorithm field can be change
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -28,29 +26,20 @@ from gyreflow.cluster.pools import TRAINER
 from gyreflow.config import RunConfig, config_from
 from gyreflow.recipes.common import step_args
 from gyreflow.report import Report
-from gyreflow.stages import apply_update, gradient_share, group_advantages, make_tree, publish_weights, weights_of
+from gyreflow.stages import (
+    apply_update,
+    archived_execution,
+    gradient_share,
+    group_advantages,
+    make_tree,
+    publish_weights,
+    weights_of,
+)
 from gyreflow.stepgraph import Group, Stages, StepFutures, submit_step
 from gyreflow.storage import ArchiveReader
 from gyreflow.storage.schema import ARCHIVE_NAME
 from gyreflow.train.checkpoint import CheckpointError, load_state, save_state
 from gyreflow.train.state import PolicyState, PublishedWeights
-from gyreflow.trajectory.records import ExecutionResult
-
-_READERS: OrderedDict[str, ArchiveReader] = OrderedDict()
-_LOCK = threading.Lock()
-
-
-def archived_execution(archive: str, step: int, execution_id: str) -> ExecutionResult:
-    """An execution read back from the archive (an execution slot's stand-in for running it).
-    Readers are kept per process, so a segment is decoded once for all its executions."""
-    with _LOCK:
-        reader = _READERS.get(archive)
-        if reader is None:
-            reader = _READERS[archive] = ArchiveReader(archive)
-            while len(_READERS) > 4:
-                _READERS.popitem(last=False)
-        return reader.load_execution(step, execution_id)
-
 
 STAGES = Stages(execute=archived_execution, tree=make_tree, advantages=group_advantages, gradient=gradient_share,
                 update=apply_update, weights=weights_of, publish=publish_weights)

@@ -207,6 +207,29 @@ class ArchiveReader:
         return open_datatree(self.path, steps=steps, chunks=chunks, reader=self)
 
 
+def load_from_segment(path: PathLike, step: int, segment: str, execution_id: str) -> ExecutionResult:
+    """One execution of a complete segment, whether or not its step is committed yet (a pipeline
+    reading back what it wrote).
+
+    Raises
+    ------
+    ValueError
+        If the segment is missing, incomplete or damaged, or does not hold the execution.
+    """
+    where = f"{path}:{schema.segment_path(step, segment)}"
+    try:
+        attrs, arrays = files.read_group(Path(path), schema.segment_path(step, segment))
+    except FileNotFoundError:
+        raise ValueError(f"segment {where!r} is missing") from None
+    if attrs.get("complete") is not True or arrays is None:
+        raise ValueError(f"segment {where!r} is incomplete or not in the segment layout")
+    entries = {e["execution_id"]: e for e in attrs.get("executions", [])}
+    if execution_id not in entries:
+        raise ValueError(f"segment {where!r} does not hold execution {execution_id!r}")
+    meta = entries[execution_id]
+    return _to_result(meta, _slice(arrays, meta.get("slices"), f"{where} ({execution_id})"), where, 2)
+
+
 async def _read_group(
     root_path: str, group_path: str
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -150,7 +150,8 @@ def write_execution(archive_path: PathLike, result: ExecutionResult) -> dict[str
 
 
 def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
-                     segment: str | None = None, trees: Sequence[TrajectoryTree] | None = None) -> list[dict[str, Any]]:
+                     segment: str | None = None, trees: Sequence[TrajectoryTree] | None = None,
+                     keep_existing: bool = False) -> list[dict[str, Any]]:
     """Write executions of one step into one segment of the archive (called from a Dask task).
 
     Safe to call concurrently for different segments of the same step: each call writes only
@@ -170,12 +171,18 @@ def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
     trees
         The executions' trajectory trees, where the pipeline built them already (one per
         execution, in order); the calls are stored as those trees rather than built again.
+    keep_existing
+        If the segment is already complete, keep it and return its summaries: the first write
+        wins. A pipeline whose training reads what it archived passes this, so that executions
+        run again after their worker died (Dask recomputes lost results) never replace the ones
+        that were trained.
 
     Returns
     -------
     list[dict]
         Per execution: ``execution_id``, ``step``, ``task_id``, ``sample``, ``split``, ``reward``,
-        ``passed``, ``n_calls``, ``n_prompt_tokens``, ``n_completion_tokens``, ``n_stored_tokens``.
+        ``passed``, ``end_reason``, ``n_calls``, ``n_prompt_tokens``, ``n_completion_tokens``,
+        ``n_stored_tokens``, ``digest`` (:func:`tokens_digest` of the stored tree).
 
     Raises
     ------
@@ -209,6 +216,10 @@ def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
             f"step {step} of {str(archive_path)!r} is committed; "
             f"refusing to write executions {ids[:3]}{'...' if len(ids) > 3 else ''} into it"
         )
+    if keep_existing:
+        kept = _complete_segment(Path(archive_path) / path)
+        if kept is not None:
+            return [{k: e.get(k) for k in _SUMMARY_KEYS} for e in kept]
     if trees is not None and len(trees) != len(results):
         raise ValueError(f"write_executions: {len(trees)} trees for {len(results)} executions")
     per = [execution_arrays(r, t) for r, t in zip(results, trees or [None] * len(results))]
@@ -224,10 +235,12 @@ def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
             "split": r.split,
             "reward": r.reward,
             "passed": bool(r.passed),
+            "end_reason": r.end_reason,
             "n_calls": len(r.calls),
             "n_prompt_tokens": int(sum(len(c.prompt_ids) for c in r.calls)),
             "n_completion_tokens": int(sum(len(c.completion_ids) for c in r.calls)),
             "n_stored_tokens": int(len(p["tokens"])),
+            "digest": tokens_digest(p["tokens"]),
         }
         slices = {name: [start[name], start[name] + len(p[name])] for name in schema.TREE_ARRAYS}
         start = {name: b for name, (_, b) in slices.items()}
@@ -240,7 +253,25 @@ def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
     return summaries
 
 
-_ENTRY_COUNTS = ("n_prompt_tokens", "n_completion_tokens", "n_stored_tokens")
+_ENTRY_COUNTS = ("n_prompt_tokens", "n_completion_tokens", "n_stored_tokens", "digest")
+_SUMMARY_KEYS = ("execution_id", "step", "task_id", "sample", "split", "reward", "passed", "end_reason", "n_calls",
+                 *_ENTRY_COUNTS)
+
+
+def tokens_digest(tokens: np.ndarray) -> str:
+    """Identifies an execution's stored token tree (its ``tokens`` array, or a trajectory tree's)."""
+    import hashlib
+
+    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=8).hexdigest()
+
+
+def _complete_segment(group: Path) -> list[dict[str, Any]] | None:
+    """The execution entries of a complete segment at ``group`` (``None`` if absent or incomplete)."""
+    try:
+        attrs = files.read_json(group / files.ZARR_JSON).get("attributes", {})
+    except (FileNotFoundError, ValueError):
+        return None
+    return attrs.get("executions") if attrs.get("complete") is True else None
 
 
 _INDEX_KEYS = (
