@@ -299,8 +299,9 @@ def inspect(path, verify, plots_dir) -> None:
               help="Override a field of the config the archive's run stored.")
 @click.option("--init", "init_dir", type=click.Path(file_okay=False),
               help="Policy to start from (default: the one the run started its RL steps from).")
+@click.option("--evaluate", is_flag=True, help="Then run the held-out tasks with the replayed policy (on a rollout cell).")
 @click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded cluster).")
-def replay(archive, out, overrides, init_dir, scheduler) -> None:
+def replay(archive, out, overrides, init_dir, evaluate, scheduler) -> None:
     """Train again from a trajectory archive (no engine, no rollout); writes OUT/report.json and
     OUT/checkpoints/final."""
     from gyreflow.config import ConfigError
@@ -330,7 +331,8 @@ def replay(archive, out, overrides, init_dir, scheduler) -> None:
         if scheduler:
             client = connect(scheduler)
         else:
-            cluster = local_cluster(PoolSpec(rollout=0, trainer=cfg.cluster.trainer_workers or 1, execution_slots=8,
+            cluster = local_cluster(PoolSpec(rollout=int(evaluate), trainer=cfg.cluster.trainer_workers or 1,
+                                             execution_slots=cfg.cluster.execution_slots if evaluate else 8,
                                              dashboard_address=cfg.cluster.dashboard_address))
             client = Client(cluster)
     except ClusterError as err:
@@ -341,10 +343,10 @@ def replay(archive, out, overrides, init_dir, scheduler) -> None:
     try:
         install_trainers(client, cfg.cluster.torch_threads)
         console.print(f"dashboard: {client.dashboard_link}")
-        report = recipe.run(client, cfg, path, out_dir, init=init_dir, log=console.print)
+        report = recipe.run(client, cfg, path, out_dir, init=init_dir, log=console.print, evaluate=evaluate)
         console.print(f"replayed {len(report['steps'])} steps: {report['trained_tokens']} trained tokens, "
                       f"{report['trained_tokens_per_s']:.0f} tokens/s; weights: {report['final']}")
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError, ClusterError) as err:
         console.print(f"[red]error:[/red] {err}")
         code = 2
     finally:

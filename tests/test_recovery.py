@@ -42,7 +42,7 @@ def test_replaying_an_on_policy_run_reproduces_its_weights(cluster, tmp_path, ti
         again = replay.run(client, cfg, run_dir, tmp_path / "replay", log=lambda *_: None)
         other = replay.run(client, replay.replay_config(ArchiveReader(run_dir / "archive.zarr"), ["rl.j_max=1",
                                                                                                   "optim.lr=0.03"]),
-                           run_dir / "archive.zarr", tmp_path / "other", log=lambda *_: None)
+                           run_dir / "archive.zarr", tmp_path / "other", log=lambda *_: None, evaluate=True)
     assert [s["step"] for s in again["steps"]] == [0, 1, 2]
     assert sum(s["train"]["trained_tokens"] for s in online["steps"]) > 0, online["steps"]
     # The same samples trained: token counts per step as online.
@@ -59,7 +59,10 @@ def test_replaying_an_on_policy_run_reproduces_its_weights(cluster, tmp_path, ti
     c = weights(tmp_path / "other" / "checkpoints" / "final")
     assert max(float(np.abs(a[k] - c[k]).max()) for k in a) > 1e-4
     report = json.loads((tmp_path / "other" / "report.json").read_text())
+    assert report["heldout_pass_rate"] == other["heldout_pass_rate"]
     assert report["config"]["rl"]["j_max"] == 1 and report["completed"] is True
+    assert sum(report["heldout_end_reasons"].values()) == cfg.task.heldout_tasks
+    assert 0 <= report["heldout_pass_rate"] <= 1
 
 
 @pytest.mark.parametrize("every", [1, 4])

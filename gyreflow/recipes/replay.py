@@ -117,9 +117,10 @@ def submit_replayed_step(client: Client, reader: ArchiveReader, step: int, cfg: 
 
 
 def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path, init: str | Path | None = None,
-        log=print, steps: list[int] | None = None) -> dict:
+        log=print, steps: list[int] | None = None, evaluate: bool = False) -> dict:
     """Replay ``archive``'s committed steps (or ``steps``) with ``cfg``; writes ``out_dir/report.json``
-    and ``out_dir/checkpoints/final`` (Hugging Face format with the optimizer and RL state)."""
+    and ``out_dir/checkpoints/final`` (Hugging Face format with the optimizer and RL state). With
+    ``evaluate``, the final policy then runs the held-out tasks on the cluster's rollout cells."""
     out_dir, reader = Path(out_dir), ArchiveReader(archive_of(archive))
     out_dir.mkdir(parents=True, exist_ok=True)
     init = Path(init) if init else initial_checkpoint(reader)
@@ -155,4 +156,28 @@ def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path
     report.set(completed=True, total_wall_s=wall, trained_tokens=tokens,
                trained_tokens_per_s=tokens / wall if wall > 0 else None, final=final,
                staleness=placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness))
+    if evaluate:
+        ev = evaluate_policy(client, cfg, published)
+        report.set(heldout_pass_rate=ev["pass_rate"], heldout_mean_reward=ev["mean_reward"],
+                   heldout_end_reasons=ev["end_reasons"])
+        log(f"held-out pass rate of the replayed policy: {ev['pass_rate']:.3f} (mean reward {ev['mean_reward']:.3f})")
     return report.data
+
+
+def evaluate_policy(client: Client, cfg: RunConfig, published: Future) -> dict:
+    """The held-out tasks of ``cfg`` run by the weights ``published``, on the rollout cells."""
+    from gyreflow.agents.sources import task_source
+    from gyreflow.cluster.local import cells_of, install
+    from gyreflow.cluster.pools import ROLLOUT
+    from gyreflow.recipes.common import engine_options
+    from gyreflow.recipes.common import evaluate as held_out
+    from gyreflow.stepgraph import publish
+
+    install(client, cfg.cluster.torch_threads, engine_options(cfg), "async", {})
+    version = published.result().version
+    rollout = cells_of(client)[ROLLOUT]
+    if not rollout:
+        raise ValueError("evaluating the replayed policy needs a rollout cell; the cluster has none")
+    publish(client, STAGES, published, rollout, version)
+    source = task_source(cfg)
+    return held_out(client, source.heldout(), source, cfg, version, None, 0).summary(client)
