@@ -158,22 +158,24 @@ def _check_resumable(run_dir: Path) -> None:
     """Refuse, naming why, a directory that is not a gyreflow run that can be continued."""
     if not run_dir.is_dir():
         raise click.UsageError(f"cannot resume {run_dir}: no such directory")
-    missing = [name for name in ("config.json", "report.json", "archive.zarr") if not (run_dir / name).exists()]
+    missing = [name for name in ("config.json", "report.json") if not (run_dir / name).exists()]
     if missing:
         raise click.UsageError(f"cannot resume {run_dir}: it is not a gyreflow run directory ({', '.join(missing)} "
                                f"missing)")
+    from gyreflow.recipes.replay import archive_of
     from gyreflow.storage import ArchiveReader
 
     try:
-        ArchiveReader(run_dir / "archive.zarr")
+        ArchiveReader(archive_of(run_dir))
     except (ValueError, FileNotFoundError) as err:
         raise click.UsageError(f"cannot resume {run_dir}: {err}") from None
 
 
 def _check_steps_left(run_dir: Path, steps: int) -> None:
+    from gyreflow.recipes.replay import archive_of
     from gyreflow.storage import ArchiveReader
 
-    committed = ArchiveReader(run_dir / "archive.zarr").committed_steps
+    committed = ArchiveReader(archive_of(run_dir)).committed_steps
     if committed and max(committed) + 1 >= steps:
         raise click.UsageError(f"run {run_dir} has committed all its {steps} steps; raise rl.steps with --set to "
                                f"train on")
@@ -260,8 +262,10 @@ def inspect(path, verify, plots_dir) -> None:
     from gyreflow.storage.summary import plot, step_rows
     from gyreflow.storage.verify import ArchiveDamaged, verify as verify_archive
 
+    from gyreflow.storage.stores import is_url
+
     archive = archive_of(path)
-    if not Path(path).exists():
+    if not is_url(path) and not Path(path).exists():
         raise click.UsageError(f"{path} does not exist")
     if verify:
         try:
@@ -596,6 +600,35 @@ def bench_jmax(config_path, overrides, values, out, json_path) -> None:
     figures = _compare_runs({f"j_max={j}": [f"rl.j_max={j}"] for j in js}, config_path, overrides, out, 0)
     if json_path:
         Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+        console.print(f"figures written to {json_path}")
+
+
+@bench.command("replay")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE", help="Override a config field.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Replays of the run.")
+@click.option("--out", type=click.Path(file_okay=False), default="storage/bench-replay", show_default=True,
+              help="Parent directory of the run and its replays (emptied first).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_replay(config_path, overrides, repeats, out, json_path) -> None:
+    """Replay training tokens/s against training inside the online run (the main job unless
+    --config/--set say otherwise), one cluster, one invocation."""
+    import json
+    import shutil
+
+    from gyreflow.bench.replay import format_replay, run_bench
+    from gyreflow.config import ConfigError, load_config
+
+    _quiet()
+    try:
+        cfg = load_config(config_path, list(overrides))
+    except ConfigError as err:
+        raise click.UsageError(f"invalid config: {err}") from None
+    shutil.rmtree(out, ignore_errors=True)
+    result = run_bench(cfg, Path(out), repeats, cache_dir=Path("storage/sft-cache"), log=console.print)
+    console.print(format_replay(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"figures written to {json_path}")
 
 

@@ -142,6 +142,16 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Where a run keeps what it writes."""
+
+    archive: str = ""
+    """The trajectory archive: empty, ``<run dir>/archive.zarr``; a URL (``s3://bucket/{run}/archive.zarr``)
+    puts it on that fsspec store (credentials and endpoint from the store's own configuration,
+    e.g. ``AWS_*`` variables); ``{run}`` is the run directory's name."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs."""
 
@@ -153,6 +163,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     external: ExternalAgent = field(default_factory=ExternalAgent)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     """The agent program of suite tasks (``task.suite``)."""
 
     def to_json(self) -> dict:
@@ -238,6 +249,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("cluster.execution_slots", cfg.cluster.execution_slots)
     _positive("cluster.torch_threads", cfg.cluster.torch_threads)
     _positive("cluster.engine_max_batch", cfg.cluster.engine_max_batch)
+    if cfg.storage.archive:
+        from gyreflow.storage.stores import is_url
+
+        if is_url(cfg.storage.archive):
+            import fsspec
+
+            scheme = cfg.storage.archive.split("://", 1)[0]
+            try:
+                fsspec.get_filesystem_class(scheme)
+            except (ValueError, ImportError) as err:
+                raise ConfigError(f"storage.archive: no fsspec filesystem for {scheme!r}: {err}") from None
     if cfg.task.suite:
         from gyreflow.agents.sources import SuiteSource
 

@@ -82,7 +82,7 @@ class Evaluation:
         return rates(client.gather(self.executions))
 
 
-def evaluate(client: Client, heldout, source, cfg: RunConfig, version: int, archive: Path | None,
+def evaluate(client: Client, heldout, source, cfg: RunConfig, version: int, archive: str | Path | None,
              step: int) -> Evaluation:
     """Submit the held-out executions of the weights now on the engines (``version``), and their
     archive write (split ``heldout``) into the archive's ``step``; returns at once."""

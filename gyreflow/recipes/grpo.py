@@ -52,6 +52,7 @@ from gyreflow.stages import (
 )
 from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
 from gyreflow.storage import ArchiveWriter, commit_step, create_archive
+from gyreflow.storage.stores import is_url
 from gyreflow.trajectory.records import RETRIED
 from gyreflow.train.checkpoint import CheckpointError, load_state, read_meta, save_state, step_dir
 
@@ -68,7 +69,7 @@ class Driver:
     client: Client
     cfg: RunConfig
     run_dir: Path
-    archive: Path
+    archive: str
     report: Report
     source: TaskSource
     log: object = print
@@ -107,7 +108,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
                 placement_options(cfg))
     install(client, cfg.cluster.torch_threads, engine_options(cfg), cfg.cluster.placement, placement_options(cfg),
             timing=Timing(stall_s=cfg.cluster.stall_s))
-    archive = run_dir / "archive.zarr"
+    archive = archive_location(cfg, run_dir)
     source = task_source(cfg)
 
     # 1. The policy the RL steps start from: the SFT warm start, or the last checkpoint.
@@ -115,7 +116,9 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
         d, state, first = restart(client, cfg, run_dir, archive, source, log)
     else:
         (run_dir / "config.json").write_text(_json(cfg.to_json()))
-        create_archive(archive, {"config": cfg.to_json(), "pipeline": "grpo", "initial_checkpoint": SFT_DIR})
+        inside = not is_url(archive) and Path(archive).parent == run_dir
+        create_archive(archive, {"config": cfg.to_json(), "pipeline": "grpo",
+                                 "initial_checkpoint": SFT_DIR if inside else str((run_dir / SFT_DIR).resolve())})
         report = Report(run_dir, archive=str(archive), checkpoint=str(run_dir / "checkpoints" / "final"),
                         config=cfg.to_json(), heldout_tasks=cfg.task.heldout_tasks,
                         heldout_temperature=cfg.agent.temperature)
@@ -155,7 +158,12 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
     return d.report.data
 
 
-def restart(client: Client, cfg: RunConfig, run_dir: Path, archive: Path, source: TaskSource, log):
+def archive_location(cfg: RunConfig, run_dir: Path) -> str:
+    """Where the run's archive lives (``storage.archive``; default inside the run directory)."""
+    return cfg.storage.archive.replace("{run}", run_dir.name) if cfg.storage.archive else str(run_dir / "archive.zarr")
+
+
+def restart(client: Client, cfg: RunConfig, run_dir: Path, archive: str, source: TaskSource, log):
     """Continue from the last committed step with a checkpoint: the archive drops what no commit
     covers, committed steps after the checkpoint are trained again from the archive (never run
     again), and the run goes on from the next step."""

@@ -15,6 +15,7 @@ weights (the same samples, seeds and updates); any algorithm field can be change
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from gyreflow.stages import (
 from gyreflow.stepgraph import Group, Stages, StepFutures, submit_step
 from gyreflow.storage import ArchiveReader
 from gyreflow.storage.schema import ARCHIVE_NAME
+from gyreflow.storage.stores import is_url
 from gyreflow.train.checkpoint import CheckpointError, load_state, save_state
 from gyreflow.train.state import PolicyState, PublishedWeights
 
@@ -45,10 +47,23 @@ STAGES = Stages(execute=archived_execution, tree=make_tree, advantages=group_adv
                 update=apply_update, weights=weights_of, publish=publish_weights)
 
 
-def archive_of(path: str | Path) -> Path:
-    """The archive named by ``path``: an ``archive.zarr`` itself or a run directory holding one."""
+def archive_of(path: str | Path) -> str:
+    """The archive named by ``path``: an archive (a directory or a URL), or a run directory (its
+    ``archive.zarr``, or the archive its report names)."""
+    if is_url(path):
+        return str(path)
     path = Path(path)
-    return path / ARCHIVE_NAME if (path / ARCHIVE_NAME).is_dir() else path
+    if (path / ARCHIVE_NAME).is_dir():
+        return str(path / ARCHIVE_NAME)
+    report = path / "report.json"
+    if report.is_file():
+        try:
+            named = json.loads(report.read_text()).get("archive")
+        except json.JSONDecodeError:
+            named = None
+        if named:
+            return str(named)
+    return str(path)
 
 
 def replay_config(reader: ArchiveReader, overrides: list[str] | None = None) -> RunConfig:
@@ -70,7 +85,9 @@ def replay_config(reader: ArchiveReader, overrides: list[str] | None = None) -> 
 def initial_checkpoint(reader: ArchiveReader) -> Path | None:
     """The policy the archive's run started its RL steps from, where the run recorded it."""
     rel = reader.run.get("initial_checkpoint")
-    return None if not rel else Path(reader.path).parent / rel
+    if not rel:
+        return None
+    return Path(rel) if Path(rel).is_absolute() or is_url(reader.path) else Path(reader.path).parent / rel
 
 
 def initial_state(path: str, run: str) -> PolicyState:
@@ -108,7 +125,7 @@ def train_groups(reader: ArchiveReader, archive: str, step: int) -> list[Group]:
 def submit_replayed_step(client: Client, reader: ArchiveReader, step: int, cfg: RunConfig, state: Future,
                          published: Future) -> StepFutures | None:
     """One archived step's training as Dask futures (``None`` when it holds no training execution)."""
-    groups = train_groups(reader, str(Path(reader.path).resolve()), step)
+    groups = train_groups(reader, reader.path if is_url(reader.path) else str(Path(reader.path).resolve()), step)
     if not groups:
         return None
     advantage_args, gradient_args, tree_args = step_args(cfg)
@@ -127,7 +144,8 @@ def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path
     if init is None or not (init / "config.json").is_file():
         raise FileNotFoundError(f"no initial policy for archive {reader.path!r} (looked for {init}); pass --init DIR")
     steps = reader.committed_steps if steps is None else steps
-    report = Report(out_dir, archive=str(Path(reader.path).resolve()), replayed_steps=steps, init=str(init),
+    report = Report(out_dir, archive=reader.path if is_url(reader.path) else str(Path(reader.path).resolve()),
+                    replayed_steps=steps, init=str(init),
                     config=cfg.to_json(), checkpoint=str(out_dir / "checkpoints" / "final"))
     t0 = time.time()
     state = client.submit(initial_state, str(init), out_dir.name, key="replay-init", resources={TRAINER: 1})

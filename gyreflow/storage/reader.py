@@ -7,7 +7,6 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from zarr.core.sync import sync
 
 from gyreflow.storage import files, schema
 from gyreflow.storage.calltree import CallTree
+from gyreflow.storage.stores import open_store
 from gyreflow.storage.writer import PathLike, root_attributes
 from gyreflow.trajectory.records import CallRecord, ExecutionResult
 
@@ -59,6 +59,7 @@ class ArchiveReader:
     def __init__(self, path: PathLike) -> None:
         self.path = str(path)
         self._attrs: dict[str, Any] = root_attributes(self.path)
+        self.store = open_store(self.path)
         self._steps: dict[int, dict[str, Any]] = {}
         self._segments: OrderedDict[tuple[int, str], tuple[dict, dict]] = OrderedDict()
         self._cached = 0
@@ -101,9 +102,8 @@ class ArchiveReader:
                     f"step {step!r} of archive {self.path!r} {state}; "
                     f"committed steps: {self.committed_steps}"
                 )
-            doc = Path(self.path) / schema.step_path(step) / files.ZARR_JSON
             try:
-                self._steps[step] = dict(files.read_json(doc).get("attributes", {}))
+                self._steps[step] = dict(files.attributes(self.store, schema.step_path(step)))
             except FileNotFoundError:
                 raise ValueError(f"committed step {step} of archive {self.path!r} has no step group") from None
         return self._steps[step]
@@ -113,7 +113,7 @@ class ArchiveReader:
             step_path = schema.step_path(step)
         except ValueError:
             return False
-        return (Path(self.path) / step_path / files.ZARR_JSON).is_file()
+        return self.store.exists(f"{step_path}/{files.ZARR_JSON}")
 
     def summary(self, step: int) -> dict[str, Any]:
         """The free-form summary passed to ``commit_step``."""
@@ -151,7 +151,7 @@ class ArchiveReader:
             return _to_result(meta, _slice(arrays, meta.get("slices"), f"{where} ({execution_id})"), where, 2)
         path = schema.execution_path(step, execution_id)
         try:
-            attrs, arrays = files.read_group(Path(self.path), path)
+            attrs, arrays = files.read_group(self.store, path)
         except FileNotFoundError:
             raise ValueError(f"execution group {self.path}:{path} is missing from committed step {step}") from None
         if arrays is None:  # another layout (version 1): through zarr
@@ -169,7 +169,7 @@ class ArchiveReader:
             return self._segments[key]
         path = schema.segment_path(step, segment)
         try:
-            attrs, arrays = files.read_group(Path(self.path), path)
+            attrs, arrays = files.read_group(self.store, path)
         except FileNotFoundError:
             raise ValueError(f"segment {self.path}:{path} is missing from committed step {step}") from None
         if arrays is None:  # rewritten in another layout: through zarr
@@ -218,7 +218,7 @@ def load_from_segment(path: PathLike, step: int, segment: str, execution_id: str
     """
     where = f"{path}:{schema.segment_path(step, segment)}"
     try:
-        attrs, arrays = files.read_group(Path(path), schema.segment_path(step, segment))
+        attrs, arrays = files.read_group(open_store(path), schema.segment_path(step, segment))
     except FileNotFoundError:
         raise ValueError(f"segment {where!r} is missing") from None
     if attrs.get("complete") is not True or arrays is None:

@@ -10,12 +10,11 @@ file that starts as a pickle stream).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from gyreflow.storage import files, schema
 from gyreflow.storage.reader import ArchiveReader
+from gyreflow.storage.stores import Store
 from gyreflow.storage.writer import PathLike
 
 ALLOWED_CODECS = {"bytes", "blosc", "zstd", "vlen-utf8", "gzip", "crc32c", "transpose"}
@@ -49,7 +48,7 @@ def verify(path: PathLike) -> Verified:
     ArchiveDamaged
         At the first damage, naming it.
     """
-    root = Path(path)
+    root = str(path)
     try:
         reader = ArchiveReader(root)
     except ValueError as err:
@@ -61,37 +60,34 @@ def verify(path: PathLike) -> Verified:
     if len(set(committed)) != len(committed):
         raise ArchiveDamaged(f"{str(root)!r}: committed_steps repeats a step: {committed}")
     out = Verified(reader.schema_version, sorted(committed))
-    out.files = _no_pickles(root)
+    out.files = _no_pickles(reader.store)
     for step in out.steps:
         _verify_step(reader, step, out)
     return out
 
 
-def _no_pickles(root: Path) -> int:
+def _no_pickles(store: Store) -> int:
     """Every document names only allowed codecs and no object dtype; no file starts as a pickle."""
     count = 0
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = Path(dirpath, name)
-            count += 1
-            with open(path, "rb") as f:
-                head = f.read(2)
-            if head in _PICKLE_STARTS:
-                raise ArchiveDamaged(f"{str(path)!r} is a pickle stream: archives hold arrays and JSON only")
-            if name != files.ZARR_JSON:
-                continue
-            try:
-                doc = files.read_json(path)
-            except ValueError as err:
-                raise ArchiveDamaged(str(err)) from None
-            if doc.get("node_type") != "array":
-                continue
-            for codec in doc.get("codecs", []):
-                codec_name = codec.get("name") if isinstance(codec, dict) else codec
-                if codec_name not in ALLOWED_CODECS:
-                    raise ArchiveDamaged(f"{str(path)!r} names codec {codec_name!r}, which a gyreflow archive never uses")
-            if doc.get("data_type") in ("object", "|O", "O"):
-                raise ArchiveDamaged(f"{str(path)!r} has an object data type (pickled values)")
+    for key in store.files():
+        count += 1
+        where = f"{store.url}/{key}"
+        if store.read(key)[:2] in _PICKLE_STARTS:
+            raise ArchiveDamaged(f"{where!r} is a pickle stream: archives hold arrays and JSON only")
+        if key.rsplit("/", 1)[-1] != files.ZARR_JSON:
+            continue
+        try:
+            doc = files.read_json(store, key)
+        except ValueError as err:
+            raise ArchiveDamaged(str(err)) from None
+        if doc.get("node_type") != "array":
+            continue
+        for codec in doc.get("codecs", []):
+            codec_name = codec.get("name") if isinstance(codec, dict) else codec
+            if codec_name not in ALLOWED_CODECS:
+                raise ArchiveDamaged(f"{where!r} names codec {codec_name!r}, which a gyreflow archive never uses")
+        if doc.get("data_type") in ("object", "|O", "O"):
+            raise ArchiveDamaged(f"{where!r} has an object data type (pickled values)")
     return count
 
 
@@ -138,7 +134,7 @@ def _verify_segment(reader: ArchiveReader, step: int, segment: str, expected: se
     path = schema.segment_path(step, segment)
     where = f"{reader.path}:{path}"
     try:
-        attrs, arrays = files.read_group(Path(reader.path), path)
+        attrs, arrays = files.read_group(reader.store, path)
     except FileNotFoundError:
         raise ArchiveDamaged(f"segment {where!r} is missing") from None
     except ValueError as err:

@@ -14,15 +14,14 @@ once:
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 
 from gyreflow.storage import files, schema
+from gyreflow.storage.stores import LocalStore, Store, open_store
 from gyreflow.storage.calltree import CallTree
 from gyreflow.trajectory.records import ExecutionResult
 from gyreflow.trajectory.tree import TrajectoryTree
@@ -36,8 +35,7 @@ def _now() -> str:
 
 def _exists(path: PathLike) -> bool:
     """Whether ``path`` already holds something (an empty directory counts as absent)."""
-    p = Path(path)
-    return p.exists() and (not p.is_dir() or any(p.iterdir()))
+    return not open_store(path).empty()
 
 
 def root_attributes(path: PathLike) -> dict[str, Any]:
@@ -51,11 +49,12 @@ def root_attributes(path: PathLike) -> dict[str, Any]:
         If ``path`` is not a zarr group with the ``gyreflow_archive`` marker, or was written by
         a newer schema version.
     """
-    if not Path(path).exists():
+    store = open_store(path)
+    if not store.exists("") if isinstance(store, LocalStore) else store.empty():
         raise FileNotFoundError(f"no gyreflow archive at {str(path)!r}: path does not exist")
     try:
-        doc = files.read_json(Path(path) / files.ZARR_JSON)
-    except (FileNotFoundError, IsADirectoryError, ValueError):
+        doc = files.read_json(store, files.ZARR_JSON)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError):
         doc = {}
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise ValueError(f"{str(path)!r} is not a zarr v3 group, so not a gyreflow archive")
@@ -72,28 +71,6 @@ def root_attributes(path: PathLike) -> dict[str, Any]:
             f"versions up to {schema.SCHEMA_VERSION}: upgrade gyreflow"
         )
     return attrs
-
-
-def open_root(path: PathLike, mode: str = "r") -> zarr.Group:
-    """Open an archive's root group and check that it is a gyreflow archive we can read.
-
-    Parameters
-    ----------
-    path
-        The ``archive.zarr`` directory.
-    mode
-        ``"r"`` or ``"r+"``; the store must already exist.
-
-    Raises
-    ------
-    FileNotFoundError, ValueError
-        As :func:`root_attributes`.
-    """
-    root_attributes(path)
-    try:
-        return zarr.open_group(str(path), mode=mode)
-    except (FileNotFoundError, ValueError, TypeError) as e:  # zarr raises several kinds
-        raise ValueError(f"{str(path)!r} is not a zarr v3 group, so not a gyreflow archive") from e
 
 
 def _flatten(arrays: list[np.ndarray], dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -210,14 +187,14 @@ def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
             f"{str(archive_path)!r} has archive schema version {version}; open it "
             f"with ArchiveWriter (which upgrades it to {schema.SCHEMA_VERSION}) before writing into it"
         )
-    step_doc = Path(archive_path) / schema.step_path(step) / files.ZARR_JSON
-    if step_doc.exists() and files.read_json(step_doc).get("attributes", {}).get("committed"):
+    store = open_store(archive_path)
+    if _step_attributes(store, step).get("committed"):
         raise ValueError(
             f"step {step} of {str(archive_path)!r} is committed; "
             f"refusing to write executions {ids[:3]}{'...' if len(ids) > 3 else ''} into it"
         )
     if keep_existing:
-        kept = _complete_segment(Path(archive_path) / path)
+        kept = _complete_segment(store, path)
         if kept is not None:
             return [{k: e.get(k) for k in _SUMMARY_KEYS} for e in kept]
     if trees is not None and len(trees) != len(results):
@@ -248,7 +225,7 @@ def write_executions(archive_path: PathLike, results: Sequence[ExecutionResult],
         summaries.append(schema.to_json(summary))
     attrs = {schema.SEGMENT_MARKER: schema.SEGMENT_VERSION, "complete": True, "written_at": _now(),
              "executions": entries}
-    files.write_group(Path(archive_path), path, arrays, attrs,
+    files.write_group(store, path, arrays, attrs,
                       pending={schema.SEGMENT_MARKER: schema.SEGMENT_VERSION, "complete": False})
     return summaries
 
@@ -265,10 +242,10 @@ def tokens_digest(tokens: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=8).hexdigest()
 
 
-def _complete_segment(group: Path) -> list[dict[str, Any]] | None:
+def _complete_segment(store: Store, group: str) -> list[dict[str, Any]] | None:
     """The execution entries of a complete segment at ``group`` (``None`` if absent or incomplete)."""
     try:
-        attrs = files.read_json(group / files.ZARR_JSON).get("attributes", {})
+        attrs = files.attributes(store, group)
     except (FileNotFoundError, ValueError):
         return None
     return attrs.get("executions") if attrs.get("complete") is True else None
@@ -288,7 +265,15 @@ _INDEX_KEYS = (
 )
 
 
-def _complete_executions(step_dir: Path) -> dict[str, dict[str, Any]]:
+def _step_attributes(store: Store, step: int) -> dict[str, Any]:
+    """A step group's attributes (empty while it has none)."""
+    try:
+        return files.attributes(store, schema.step_path(step))
+    except FileNotFoundError:
+        return {}
+
+
+def _complete_executions(store: Store, step_dir: str) -> dict[str, dict[str, Any]]:
     """Index entries of the step's executions in complete segments (and complete execution groups
     of versions 1 and 2); a segment's executions name it.
 
@@ -301,17 +286,13 @@ def _complete_executions(step_dir: Path) -> dict[str, dict[str, Any]]:
 
     def add(eid: str, entry: dict[str, Any], where: str) -> None:
         if eid in index:
-            raise ValueError(f"execution {eid!r} is written twice in {str(step_dir)!r} (again in {where})")
+            raise ValueError(f"execution {eid!r} is written twice in {store.url}/{step_dir} (again in {where})")
         index[eid] = entry
 
     for kind in (schema.EXECUTIONS, schema.SEGMENTS):
-        try:
-            names = sorted(d.name for d in os.scandir(step_dir / kind) if d.is_dir())
-        except FileNotFoundError:
-            continue
-        for name in names:
+        for name in store.children(f"{step_dir}/{kind}"):
             try:
-                attrs = files.read_json(step_dir / kind / name / files.ZARR_JSON).get("attributes", {})
+                attrs = files.attributes(store, f"{step_dir}/{kind}/{name}")
             except (FileNotFoundError, ValueError):
                 continue  # a writer killed before its first document
             if attrs.get("complete") is not True:
@@ -361,12 +342,12 @@ def commit_step(
     ValueError
         If the step is already committed or an expected execution is missing or incomplete.
     """
-    root = open_root(archive_path, mode="r+")
-    committed = [int(s) for s in root.attrs.get("committed_steps", [])]
+    root = root_attributes(archive_path)
+    store = open_store(archive_path)
+    committed = [int(s) for s in root.get("committed_steps", [])]
     if step in committed:
         raise ValueError(f"step {step} of {str(archive_path)!r} is already committed")
-    step_group = root.require_group(schema.step_path(step))
-    index = _complete_executions(Path(archive_path) / schema.step_path(step))
+    index = _complete_executions(store, schema.step_path(step))
     if expected is not None:
         missing = sorted(set(expected) - set(index))
         if missing:
@@ -386,9 +367,9 @@ def commit_step(
         "executions": index,
         "summary": schema.to_json(summary or {}),
     }
-    step_group.update_attributes(attrs)  # one write, not one per key
+    files.set_attributes(store, schema.step_path(step), _step_attributes(store, step) | attrs)
     # Commit point: written after every byte of the step is on disk.
-    root.attrs["committed_steps"] = sorted({*committed, int(step)})
+    files.set_attributes(store, "", root | {"committed_steps": sorted({*committed, int(step)})})
     return attrs
 
 
@@ -437,22 +418,25 @@ class ArchiveWriter:
                 "run": schema.to_json(run_meta or {}),
                 "committed_steps": [],
             }
-            root = zarr.open_group(self.path, mode="w", attributes=attrs)
-            root.require_group(schema.STEPS)
+            store = open_store(self.path)
+            files.set_attributes(store, schema.STEPS, {})
+            files.set_attributes(store, "", attrs)
             return
-        root = open_root(self.path, mode="r+")
+        root_attributes(self.path)
+        store = open_store(self.path)
         if recover:
-            self.recovered = self._recover(root)
+            self.recovered = self._recover(store)
+        root = root_attributes(self.path)
         upgraded = {}
-        if root.attrs[schema.ROOT_MARKER] < schema.SCHEMA_VERSION:
+        if root[schema.ROOT_MARKER] < schema.SCHEMA_VERSION:
             # Execution groups say their own layout: older groups stay as they are, new ones are
             # written in the current one, and older readers must refuse the archive from now on.
-            upgraded = {"upgraded_from": root.attrs[schema.ROOT_MARKER]}
-            root.attrs[schema.ROOT_MARKER] = schema.SCHEMA_VERSION
+            upgraded = {"upgraded_from": root[schema.ROOT_MARKER]}
+            root[schema.ROOT_MARKER] = schema.SCHEMA_VERSION
         if run_meta is not None or any(self.recovered.values()) or upgraded:
-            resumes = list(root.attrs.get("resumes", []))
+            resumes = list(root.get("resumes", []))
             resumes.append({"at": _now(), "run": schema.to_json(run_meta), **self.recovered, **upgraded})
-            root.attrs["resumes"] = resumes
+            files.set_attributes(store, "", root | {"resumes": resumes})
 
     @classmethod
     def open(cls, path: PathLike, *, recover: bool = True) -> "ArchiveWriter":
@@ -467,35 +451,32 @@ class ArchiveWriter:
             raise FileNotFoundError(f"no gyreflow archive at {str(path)!r}")
         return cls(path, recover=recover)
 
-    @staticmethod
-    def _recover(root: zarr.Group) -> dict[str, list[int]]:
-        committed = {int(s) for s in root.attrs.get("committed_steps", [])}
-        steps = root.require_group(schema.STEPS)
+    def _recover(self, store: Store) -> dict[str, list[int]]:
+        root = root_attributes(self.path)
+        committed = {int(s) for s in root.get("committed_steps", [])}
         rolled, discarded = [], []
-        for name, node in list(steps.groups()):
-            step = int(name)
-            if step in committed:
+        for name in store.children(schema.STEPS):
+            if not name.isdigit() or int(name) in committed:
                 continue
-            if node.attrs.get("committed") is True:
+            step = int(name)
+            if _step_attributes(store, step).get("committed") is True:
                 rolled.append(step)
             else:
-                del steps[name]
+                store.delete(schema.step_path(step))
                 discarded.append(step)
         if rolled:
-            root.attrs["committed_steps"] = sorted(committed | set(rolled))
+            files.set_attributes(store, "", root | {"committed_steps": sorted(committed | set(rolled))})
         return {"rolled_forward": sorted(rolled), "discarded": sorted(discarded)}
 
     @property
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending (read from the store, not cached)."""
-        return [int(s) for s in open_root(self.path).attrs.get("committed_steps", [])]
+        return [int(s) for s in root_attributes(self.path).get("committed_steps", [])]
 
     def update_run(self, meta: dict[str, Any]) -> None:
         """Merge ``meta`` into the root ``run`` attribute (driver only)."""
-        root = open_root(self.path, mode="r+")
-        run = dict(root.attrs.get("run", {}))
-        run.update(schema.to_json(meta))
-        root.attrs["run"] = run
+        root = root_attributes(self.path)
+        files.set_attributes(open_store(self.path), "", root | {"run": {**root.get("run", {}), **schema.to_json(meta)}})
 
     def write_execution(self, result: ExecutionResult) -> dict[str, Any]:
         """Write one execution from the driver process; see ``write_execution``."""
