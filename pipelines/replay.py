@@ -13,7 +13,6 @@ from pathlib import Path
 
 from distributed import Client
 
-from gyreflow.cluster.local import install_trainers
 from gyreflow.recipes import replay
 from gyreflow.storage import ArchiveReader
 
@@ -28,7 +27,6 @@ def main() -> None:
     archive = replay.archive_of(args.archive)
     cfg = replay.replay_config(ArchiveReader(archive), args.overrides)
     with Client(args.scheduler) as client:
-        install_trainers(client, cfg.cluster.torch_threads)
         report = replay.run(client, cfg, archive, Path(args.out))
     print(f"replayed {len(report['steps'])} steps, {report['trained_tokens']} trained tokens; "
           f"weights: {report['final']}")

@@ -87,3 +87,17 @@ def test_elastic_moves_cells_on_a_dask_command_line_cluster(dask_cluster, tmp_pa
     assert sum(s["moves"] for s in per_step) <= placement["moves"]
     assert "placement: cells (rollout/trainer)" in p.stdout
     assert Path(out, "checkpoints", "final", "config.json").is_file()
+
+
+def test_the_client_example_runs_against_a_dask_command_line_cluster(dask_cluster, tmp_path, tiny_overrides):
+    example = Path(__file__).resolve().parent.parent / "examples" / "client" / "notebook.py"
+    overrides = [o for o in tiny_overrides if not o.startswith(("cluster.placement", "cluster.rollout_workers"))]
+    args = [sys.executable, str(example), dask_cluster, "--out", str(tmp_path / "run")]
+    for o in overrides + ["cluster.placement=async"]:
+        args += ["--set", o]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=360, env=_env())
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "dashboard: http" in p.stdout and "held-out pass rate" in p.stdout
+    assert "step 0:" in p.stdout and "step 1:" in p.stdout and "replayed 2 steps at J_max 1" in p.stdout
+    replayed = json.loads((tmp_path / "run-jmax1" / "report.json").read_text())
+    assert replayed["config"]["rl"]["j_max"] == 1 and replayed["completed"] is True

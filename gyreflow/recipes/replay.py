@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from distributed import Client, Future
 
+from gyreflow.cluster.local import install_trainers
 from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import TRAINER
 from gyreflow.config import RunConfig, config_from
@@ -140,6 +141,7 @@ def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path
     ``evaluate``, the final policy then runs the held-out tasks on the cluster's rollout cells."""
     out_dir, reader = Path(out_dir), ArchiveReader(archive_of(archive))
     out_dir.mkdir(parents=True, exist_ok=True)
+    install_trainers(client, cfg.cluster.torch_threads)
     init = Path(init) if init else initial_checkpoint(reader)
     if init is None or not (init / "config.json").is_file():
         raise FileNotFoundError(f"no initial policy for archive {reader.path!r} (looked for {init}); pass --init DIR")
