@@ -102,24 +102,13 @@ def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_c
     if resume_dir:
         _check_steps_left(run_dir, cfg.rl.steps)
 
-    from distributed import Client
-
-    from gyreflow.cluster.local import ClusterError, PoolSpec, connect, local_cluster
+    from gyreflow.cluster.local import ClusterError, PoolSpec
     from gyreflow.train.checkpoint import CheckpointError
 
-    cluster = None
-    try:
-        if scheduler:
-            client = connect(scheduler)
-        else:
-            console.print("starting the embedded cluster ...")
-            cluster = local_cluster(PoolSpec(rollout=cfg.cluster.rollout_workers, trainer=cfg.cluster.trainer_workers,
-                                             execution_slots=cfg.cluster.execution_slots,
-                                             dashboard_address=cfg.cluster.dashboard_address))
-            client = Client(cluster)
-    except ClusterError as err:
-        console.print(f"[red]error:[/red] {err}")
-        sys.exit(2)
+    client, cluster = _connect(scheduler, PoolSpec(rollout=cfg.cluster.rollout_workers,
+                                                   trainer=cfg.cluster.trainer_workers,
+                                                   execution_slots=cfg.cluster.execution_slots,
+                                                   dashboard_address=cfg.cluster.dashboard_address))
     run_dir.mkdir(parents=True, exist_ok=True)
     from gyreflow.cluster.dashboard import dashboard_link
 
@@ -152,6 +141,24 @@ def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_c
         except Exception:
             pass
     sys.exit(code)
+
+
+def _connect(scheduler: str | None, spec):
+    """A client of the cluster at ``scheduler``, or of an embedded cluster of ``spec`` (then also
+    the cluster); exits 2 naming what is wrong when there is none."""
+    from distributed import Client
+
+    from gyreflow.cluster.local import ClusterError, connect, local_cluster
+
+    try:
+        if scheduler:
+            return connect(scheduler), None
+        console.print("starting the embedded cluster ...")
+        cluster = local_cluster(spec)
+        return Client(cluster), cluster
+    except ClusterError as err:
+        console.print(f"[red]error:[/red] {err}")
+        sys.exit(2)
 
 
 def _check_resumable(run_dir: Path) -> None:
@@ -326,26 +333,14 @@ def replay(archive, out, overrides, init_dir, evaluate, scheduler) -> None:
     if not reader.committed_steps:
         raise click.UsageError(f"archive {path} has no committed step to replay")
 
-    from distributed import Client
+    from gyreflow.cluster.local import ClusterError, PoolSpec
 
-    from gyreflow.cluster.local import ClusterError, PoolSpec, connect, install_trainers, local_cluster
-
-    cluster = None
-    try:
-        if scheduler:
-            client = connect(scheduler)
-        else:
-            cluster = local_cluster(PoolSpec(rollout=int(evaluate), trainer=cfg.cluster.trainer_workers or 1,
-                                             execution_slots=cfg.cluster.execution_slots if evaluate else 8,
-                                             dashboard_address=cfg.cluster.dashboard_address))
-            client = Client(cluster)
-    except ClusterError as err:
-        console.print(f"[red]error:[/red] {err}")
-        sys.exit(2)
+    client, cluster = _connect(scheduler, PoolSpec(rollout=int(evaluate), trainer=cfg.cluster.trainer_workers or 1,
+                                                   execution_slots=cfg.cluster.execution_slots if evaluate else 8,
+                                                   dashboard_address=cfg.cluster.dashboard_address))
     out_dir.mkdir(parents=True, exist_ok=True)
     code = 0
     try:
-        install_trainers(client, cfg.cluster.torch_threads)
         console.print(f"dashboard: {client.dashboard_link}")
         report = recipe.run(client, cfg, path, out_dir, init=init_dir, log=console.print, evaluate=evaluate)
         console.print(f"replayed {len(report['steps'])} steps: {report['trained_tokens']} trained tokens, "

@@ -51,7 +51,7 @@ def run_bench(cfg, out: Path, repeats: int = 3, cache_dir: Path | None = None, l
 
 def format_replay(out: dict) -> str:
     o, r, q = out["online"], out["replay"]["tokens_per_s"], out["ratios"]
-    return (f"trained tokens per step set: {out['trained_tokens']}\n"
+    return (f"trained tokens (all steps): {out['trained_tokens']}\n"
             f"online run: {o['tokens_per_s']:.0f} trained tokens/s of RL wall time ({o['rl_wall_s']:.1f}s); "
             f"{o['tokens_per_train_s']:.0f}/s of the cells' training time ({o['train_s']:.1f}s)\n"
             f"replay ({out['repeats']}x): {r['mean']:.0f} tokens/s (min {r['min']:.0f}, max {r['max']:.0f})\n"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from gyreflow.stages import (
     weights_of,
 )
 from gyreflow.stepgraph import SLOT, Group, Stages, StepFutures, publish, submit_step
-from gyreflow.storage import ArchiveWriter, commit_step, create_archive
+from gyreflow.storage import ArchiveReader, ArchiveWriter, commit_step, create_archive
 from gyreflow.storage.stores import is_url
 from gyreflow.trajectory.records import RETRIED
 from gyreflow.train.checkpoint import CheckpointError, load_state, read_meta, save_state, step_dir
@@ -72,7 +73,7 @@ class Driver:
     archive: str
     report: Report
     source: TaskSource
-    log: object = print
+    log: Callable[[str], object] = print
     staleness: int = 0
     evaluation: Evaluation | None = None
     """The latest held-out evaluation: the engines keep its version until it ends."""
@@ -83,7 +84,6 @@ class Driver:
 @dataclass
 class StepInFlight:
     futures: StepFutures
-    writes: list[Future]
     evaluations: list[Evaluation] = field(default_factory=list)
     """Held-out evaluations archived with this step: of the version it produced, and in the first
     step also of the starting policy."""
@@ -93,6 +93,11 @@ class StepInFlight:
     @property
     def step(self) -> int:
         return self.futures.step
+
+    @property
+    def writes(self) -> list[Future]:
+        """The groups' archive writes."""
+        return self.futures.writes
 
     def done(self) -> bool:
         pending = [*self.writes, *([self.checkpoint] if self.checkpoint else [])]
@@ -172,7 +177,7 @@ def restart(client: Client, cfg: RunConfig, run_dir: Path, archive: str, source:
     ckpts = {s: p for s, p in checkpoints(run_dir).items() if s in committed}
     base = max(ckpts) if ckpts else None
     report = Report.reopen(run_dir, committed)
-    reader = replay.ArchiveReader(archive)
+    reader = ArchiveReader(archive)
     have = {e["step"] for e in report.data["steps"]}
     for step in committed:  # committed, but the driver died before the report said so
         if step not in have:
@@ -189,7 +194,7 @@ def restart(client: Client, cfg: RunConfig, run_dir: Path, archive: str, source:
         state = client.submit(replay.with_optim, state, cfg.optim, key="resume-optim")
     else:
         raise CheckpointError(f"{run_dir} has no checkpoint to resume from (the run stopped before its SFT policy "
-                              f"was saved): start it again")
+                              f"was saved): remove the directory and start the run again")
     redo = [s for s in committed if base is None or s > base]
     if redo:
         log(f"training committed steps {redo} again from the archive")
@@ -232,7 +237,7 @@ def launch(d: Driver, step: int, state: Future, published: Future) -> StepInFlig
     futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=advantage_args,
                           gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args,
                           archive=str(d.archive))
-    return StepInFlight(futures, futures.writes)
+    return StepInFlight(futures)
 
 
 def group_names(tasks) -> list[str]:
