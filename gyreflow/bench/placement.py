@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import threading
 import time
 from collections import deque
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 
 from distributed import Client, wait
 
 from gyreflow.bench.bounds import batched_bound, lower_bound
+from gyreflow.bench.report import git_revision
 from gyreflow.bench.emulated_engine import emulated_engine_factory
 from gyreflow.bench.stages import (
     emulated_execution,
@@ -114,19 +113,6 @@ def _cpu_seconds() -> float:
         except psutil.Error:  # ended meanwhile
             pass
     return total
-
-
-def _git_revision() -> str:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if rev.returncode != 0:
-        return "unknown"
-    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 # ---------------------------------------------------------------------------------------- one run
@@ -357,7 +343,7 @@ def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, ca
     """Spreads of every arm, the oracle split, both bounds, and each ratio's spread."""
     lb = lower_bound(workload)
     bb = batched_bound(workload)
-    out: dict = {"workload": workload.name, "workload_spec": workload.to_dict(), "git": _git_revision(),
+    out: dict = {"workload": workload.name, "workload_spec": workload.to_dict(), "git": git_revision(),
                  "repeats": repeats, "cells": workload.cells, "steps": workload.steps,
                  "time_scale": workload.time_scale, "emulated": True,
                  "options": {"timing": asdict(placement_timing(workload)[0]), "policy": placement_timing(workload)[1],

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gyreflow.bench.report import git_revision
+
 
 def run_bench(cfg, out: Path, repeats: int = 3, cache_dir: Path | None = None, log=print) -> dict:
     """One online GRPO run, then ``repeats`` replays of its archive with its own config."""
@@ -40,7 +42,7 @@ def run_bench(cfg, out: Path, repeats: int = 3, cache_dir: Path | None = None, l
         return {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max())}
 
     return {
-        "config": cfg.to_json(), "repeats": repeats, "trained_tokens": tokens,
+        "git": git_revision(), "config": cfg.to_json(), "repeats": repeats, "trained_tokens": tokens,
         "online": {"rl_wall_s": rl_wall, "train_s": train_s, "tokens_per_s": online_wall_rate,
                    "tokens_per_train_s": online_train_rate},
         "replay": {"wall_s": [r["total_wall_s"] for r in runs], "tokens_per_s": spread(rates)},

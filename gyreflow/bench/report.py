@@ -4,6 +4,7 @@ from the benchmark's JSON, never typed in)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 RATIO_LABELS = {
@@ -75,3 +76,17 @@ def update_readme(path: Path, markdown: str, marker: str = "placement-tables") -
     if not pattern.search(text):
         raise ValueError(f"{path} has no <!-- {marker}:start --> ... <!-- {marker}:end --> section")
     Path(path).write_text(pattern.sub(lambda m: m.group(1) + markdown + "\n" + m.group(2), text))
+
+
+def git_revision() -> str:
+    """The checkout's revision (``-dirty`` with uncommitted changes), for a benchmark's JSON."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if rev.returncode != 0:
+        return "unknown"
+    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
