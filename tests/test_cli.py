@@ -87,7 +87,7 @@ def test_inspect_missing_run_directory(tmp_path):
 
 def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
     out = tmp_path / "run"
-    args = [a for o in tiny_overrides + ["rl.steps=50", "rl.staleness=0"] for a in ("--set", o)]
+    args = [a for o in tiny_overrides + ["rl.steps=5000", "rl.staleness=0"] for a in ("--set", o)]
     proc = subprocess.Popen([*GYREFLOW, "run", "--out", str(out), "--sft-cache", "", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     report = out / "report.json"
