@@ -291,8 +291,11 @@ def inspect(path, verify, plots_dir) -> None:
     rows = step_rows(reader)
     console.print(f"{archive}: schema {reader.schema_version}, {len(rows)} committed steps")
     console.print("step  train  held-out  calls   tokens  stored  dedup  reward  pass  held-out pass  end reasons")
+    def fmt(x, spec: str) -> str:
+        width = int(spec.split(".")[0])
+        return "-".rjust(width) if x is None else format(x, spec)
+
     for r in rows:
-        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["end_reasons"].items()))
         console.print(f"{r['step']:>4}  {r['train_executions']:>5}  {r['heldout_executions']:>8}  {r['calls']:>5}  "
                       f"{r['tokens']:>7}  {r['stored_tokens']:>6}  {fmt(r['dedup_ratio'], '5.2f')}  "

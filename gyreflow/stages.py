@@ -1,7 +1,7 @@
 """The pipeline's stages: plain functions that run as Dask tasks on the cells of their pool.
 
 Long-lived state (the engine, the trainer) stays in its worker plugin; these functions bring it
-data and references, never models. Pipelines in ``pipelines/`` submit them with readable keys.
+data and references, never models. The recipes (``gyreflow.recipes``) submit them with readable keys.
 """
 
 from __future__ import annotations

@@ -84,37 +84,39 @@ class StepFutures:
 
 def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stages, state: Future,
                 published: Future, advantage_args: tuple = (), gradient_args: tuple = (),
-                shares_per_group: int = 1, tree_args: tuple = (), archive: str | None = None) -> StepFutures:
+                shares_per_group: int = 1, tree_args: tuple = (), archive: str | None = None,
+                tag: str = "") -> StepFutures:
     """Submit one step's tasks; ``state``/``published``: the RL state the step updates and its
     weights (the futures of the previous step, or of the warm start). Each group's gradient work
     is cut into ``shares_per_group`` tasks, so the group of the step's last execution is trained
     by several cells at once. With ``archive`` (and the archive stages), each group is written as
-    segment ``group-<k>`` before it trains, and trains what was written."""
+    segment ``group-<k>`` before it trains, and trains what was written. ``tag`` ends every key, so
+    graphs of the same steps (replays of one archive) can run side by side on one cluster."""
     executions, trees, group_futs, shares, writes = [], [], [], [], []
     for k, g in enumerate(groups):
         group_ex, group_trees = [], []
         for eid, args in g.executions:
-            ex = client.submit(stages.execute, *args, key=eid, resources=SLOT)
+            ex = client.submit(stages.execute, *args, key=f"{eid}{tag}", resources=SLOT)
             group_ex.append(ex)
-            group_trees.append(client.submit(stages.tree, ex, *tree_args, key=f"tree-{eid}", resources=SLOT))
+            group_trees.append(client.submit(stages.tree, ex, *tree_args, key=f"tree-{eid}{tag}", resources=SLOT))
         executions.extend(group_ex)
         trees.extend(group_trees)
         trained = group_trees
         if archive is not None and stages.archive is not None:
             segment = f"group-{k:04d}"  # task ids may not be path-safe
             written = client.submit(stages.archive, archive, group_ex, segment, group_trees,
-                                    key=f"archive-{step}-{g.task_id}", resources=SLOT)
+                                    key=f"archive-{step}-{g.task_id}{tag}", resources=SLOT)
             writes.append(written)
             trained = client.submit(stages.archived, group_trees, written, archive, segment, *tree_args,
-                                    key=f"archived-{step}-{g.task_id}", resources=SLOT)
-        adv = client.submit(stages.advantages, trained, *advantage_args, key=f"advantages-{step}-{g.task_id}",
+                                    key=f"archived-{step}-{g.task_id}{tag}", resources=SLOT)
+        adv = client.submit(stages.advantages, trained, *advantage_args, key=f"advantages-{step}-{g.task_id}{tag}",
                             resources=SLOT)
         group_futs.append(adv)
         shares.extend(client.submit(stages.gradient, adv, published, j, shares_per_group, *gradient_args,
-                                    key=f"grad-{step}-{g.task_id}-{j}", resources=TRAIN)
+                                    key=f"grad-{step}-{g.task_id}-{j}{tag}", resources=TRAIN)
                       for j in range(shares_per_group))
-    update = client.submit(stages.update, step, shares, state, key=f"update-{step}", resources=TRAIN)
-    nxt = client.submit(stages.weights, update, key=f"weights-v{step + 1}")
+    update = client.submit(stages.update, step, shares, state, key=f"update-{step}{tag}", resources=TRAIN)
+    nxt = client.submit(stages.weights, update, key=f"weights-v{step + 1}{tag}")
     return StepFutures(step, executions, trees, group_futs, shares, update, nxt, writes)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -124,14 +125,16 @@ def train_groups(reader: ArchiveReader, archive: str, step: int) -> list[Group]:
 
 
 def submit_replayed_step(client: Client, reader: ArchiveReader, step: int, cfg: RunConfig, state: Future,
-                         published: Future) -> StepFutures | None:
-    """One archived step's training as Dask futures (``None`` when it holds no training execution)."""
+                         published: Future, tag: str = "") -> StepFutures | None:
+    """One archived step's training as Dask futures (``None`` when it holds no training execution);
+    ``tag`` ends every key (see :func:`gyreflow.stepgraph.submit_step`)."""
     groups = train_groups(reader, reader.path if is_url(reader.path) else str(Path(reader.path).resolve()), step)
     if not groups:
         return None
     advantage_args, gradient_args, tree_args = step_args(cfg)
     return submit_step(client, step, groups, STAGES, state, published, advantage_args=advantage_args,
-                       gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args)
+                       gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args,
+                       tag=tag)
 
 
 def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path, init: str | Path | None = None,
@@ -150,12 +153,13 @@ def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path
                     replayed_steps=steps, init=str(init),
                     config=cfg.to_json(), checkpoint=str(out_dir / "checkpoints" / "final"))
     t0 = time.time()
-    state = client.submit(initial_state, str(init), out_dir.name, key="replay-init", resources={TRAINER: 1})
-    state = client.submit(with_optim, state, cfg.optim, key="replay-optim")
-    published = client.submit(weights_of, state, key="replay-weights-init")
+    tag = f"@{out_dir.name}-{uuid.uuid4().hex[:6]}"  # replays of one archive may share a cluster
+    state = client.submit(initial_state, str(init), out_dir.name, key=f"replay-init{tag}", resources={TRAINER: 1})
+    state = client.submit(with_optim, state, cfg.optim, key=f"replay-optim{tag}")
+    published = client.submit(weights_of, state, key=f"replay-weights-init{tag}")
     log(f"replaying {len(steps)} committed steps of {reader.path} from {init}")
     for step in steps:
-        futures = submit_replayed_step(client, reader, step, cfg, state, published)
+        futures = submit_replayed_step(client, reader, step, cfg, state, published, tag)
         if futures is None:
             continue
         trained = futures.update.result()
@@ -170,7 +174,7 @@ def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path
             f"grad norm {m.get('grad_norm', float('nan')):.3f}")
         state, published = futures.update, futures.published
     final = client.submit(save_state, state, str(out_dir / "checkpoints" / "final"), steps[-1] if steps else -1,
-                          key="replay-checkpoint", resources={TRAINER: 1}).result()
+                          key=f"replay-checkpoint{tag}", resources={TRAINER: 1}).result()
     tokens = sum(s["train"].get("trained_tokens", 0) for s in report.data["steps"])
     wall = time.time() - t0
     report.set(completed=True, total_wall_s=wall, trained_tokens=tokens,
