@@ -21,9 +21,16 @@ from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.train.state import PolicyState, PublishedWeights
 
 
+PROBE_EMULATED_S = 400.0
+"""How long, in emulated seconds, a call waits before the router asks its engine where it stands
+(a real run's router asks every 20 wall seconds: at x400 that would be 8,000 emulated seconds, and
+a call on a cell that left would wait that long)."""
+
+
 async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
     """One execution: its calls in order through the router, with the tool latency between them."""
-    router = Router(session=spec.execution_id)
+    # On the workload's clock, but never more often than twice a wall second per call.
+    router = Router(session=spec.execution_id, probe_s=max(0.5, PROBE_EMULATED_S / time_scale))
     t0 = time.time()
     versions, engines = [], set()
     try:
