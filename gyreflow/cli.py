@@ -129,6 +129,12 @@ def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_c
                       f"gyreflow run --resume {run_dir}")
         _mark_interrupted(run_dir)
         code = 130
+        # Committed steps are on disk: if shutting the cluster down hangs, the interrupt still ends the run.
+        import threading
+
+        watchdog = threading.Timer(30.0, os._exit, args=(130,))
+        watchdog.daemon = True
+        watchdog.start()
     except (ClusterError, CheckpointError) as err:
         console.print(f"[red]error:[/red] {err}")
         code = 2
