@@ -4,10 +4,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import zarr
+from support import wait_for_steps
 
 GYREFLOW = [sys.executable, "-m", "gyreflow.cli"]
 
@@ -91,15 +91,8 @@ def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
     proc = subprocess.Popen([*GYREFLOW, "run", "--out", str(out), "--sft-cache", "", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     report = out / "report.json"
-    deadline = time.time() + 240
     try:
-        while time.time() < deadline:
-            if report.is_file() and len(json.loads(report.read_text())["steps"]) >= 2:
-                break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.5)
-        else:
-            raise AssertionError("no committed step within the time limit")
+        wait_for_steps(proc, report, 2)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=60)
     finally:

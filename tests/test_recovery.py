@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from distributed import Client
 from safetensors.numpy import load_file
+from support import wait_for_steps
 from test_cli import GYREFLOW, invoke
 
 from gyreflow.cluster.local import PoolSpec, install_trainers, local_cluster
@@ -76,15 +76,8 @@ def test_a_killed_driver_resumes_without_a_step_missing_or_doubled(tmp_path, tin
     proc = subprocess.Popen([*GYREFLOW, "run", "--out", str(out), "--sft-cache", "", *sets],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     report = out / "report.json"
-    deadline = time.time() + 240
     try:
-        while time.time() < deadline:
-            if report.is_file() and len(json.loads(report.read_text())["steps"]) >= 1:
-                break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
-        else:
-            raise AssertionError("no committed step within the time limit")
+        wait_for_steps(proc, report, 1)
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and its embedded cluster, as a host failure would
         proc.wait(timeout=30)
     finally:
