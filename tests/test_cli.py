@@ -88,8 +88,11 @@ def test_inspect_missing_run_directory(tmp_path):
 def test_ctrl_c_leaves_committed_steps_readable(tmp_path, tiny_overrides):
     out = tmp_path / "run"
     args = [a for o in tiny_overrides + ["rl.steps=5000", "rl.staleness=0"] for a in ("--set", o)]
+    # A child inherits an ignored SIGINT (cluster start-up in this process ignores it for a while):
+    # give the run the default a terminal would.
     proc = subprocess.Popen([*GYREFLOW, "run", "--out", str(out), "--sft-cache", "", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     report = out / "report.json"
     try:
         wait_for_steps(proc, report, 2)
