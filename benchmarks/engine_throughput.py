@@ -103,7 +103,7 @@ def main() -> None:
         max_batch=args.batch,
         max_seq_len=args.prompt_len + args.new_tokens + 1,
         device=device,
-        retain_slots=0,
+        retain_sessions=0,
     )
     tokens = args.batch * args.new_tokens
     print(

@@ -71,7 +71,7 @@ def client():
 
 def reference(model, requests: list[GenerationRequest]) -> list[GenerationResult]:
     """The requests on an in-process engine that never moves (and never reuses a session's KV)."""
-    engine = TorchEngine(model, name="reference", version=VERSION, retain_slots=0, **ENGINE_OPTIONS)
+    engine = TorchEngine(model, name="reference", version=VERSION, retain_sessions=0, **ENGINE_OPTIONS)
     futures = [engine.submit(r) for r in requests]
     for _ in range(100_000):
         if all(f.done() for f in futures):
@@ -471,7 +471,7 @@ def test_a_request_no_engine_can_hold_is_refused_not_failed(client, published):
     names = layout(client, published)
     too_long = request("refused-1", ENGINE_OPTIONS["max_seq_len"] + 10, seed=41)
     fut = client.submit(one_call, too_long, key="call-refused", resources=SLOT, pure=False)
-    with pytest.raises(RequestRefused, match="prompt of 1034 tokens, engine holds 1024") as err:
+    with pytest.raises(RequestRefused, match="prompt of 1034 tokens does not fit the engine.s context of 1024 tokens") as err:
         fut.result(timeout=60)
     assert isinstance(err.value, ValueError)
     res, _, _ = client.submit(one_call, request("refused-2", 8, seed=42, max_tokens=4), key="call-after-refused",

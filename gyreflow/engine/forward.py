@@ -1,10 +1,10 @@
-"""A functional Llama forward pass over a slot-indexed KV cache, and per-row sampling.
+"""A functional Llama forward pass over a paged KV cache, and per-row sampling.
 
 The engine keeps its own copy of the policy's weights (q/k/v and gate/up fused, so a layer is
 four matmuls) and runs this forward for prefill chunks and decode iterations alike: every row of a
-batch is one request, identified by its cache slot, with its own start position and number of new
-tokens. Numerics follow Hugging Face's ``LlamaForCausalLM`` (float32 RMSNorm, default rotary
-embedding, grouped-query attention, SwiGLU MLP, tied ``lm_head``).
+batch is one request, identified by its block table, with its own start position and number of new
+tokens. Numerics follow Hugging Face's ``LlamaForCausalLM`` (float32 RMSNorm, rotary embedding
+with the config's rope scaling, grouped-query attention, SwiGLU MLP, tied ``lm_head``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ from typing import Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from gyreflow.engine.kvcache import KVBlocks
+
+
+STATIC_ROPE_TYPES = ("linear", "llama3", "yarn")
+"""Rope scalings whose angles do not depend on the sequence length (what one table can hold)."""
 
 
 @dataclass(frozen=True)
@@ -30,16 +37,28 @@ class ModelSpec:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
+    rope_inv_freq: tuple[float, ...]
+    """Rotary frequencies (Dh/2), as Hugging Face computes them for the config's rope type."""
+    rope_scaling: float
+    """Factor on cos and sin (1 except for yarn-style scaling)."""
     tie_word_embeddings: bool
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or {}
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default":
-            raise NotImplementedError(f"rope type {rope_type!r} is not supported by the torch engine")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float32) / head_dim
+            inv_freq, scaling = 1.0 / (theta**exponents), 1.0  # (Dh/2,)
+        elif rope_type in STATIC_ROPE_TYPES:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        else:
+            raise NotImplementedError(f"rope type {rope_type!r} is not supported by the torch engine "
+                                      f"(supported: default, {', '.join(STATIC_ROPE_TYPES)})")
         return cls(
             num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
@@ -50,6 +69,8 @@ class ModelSpec:
             vocab_size=config.vocab_size,
             rms_norm_eps=float(config.rms_norm_eps),
             rope_theta=theta,
+            rope_inv_freq=tuple(float(x) for x in inv_freq.float()),
+            rope_scaling=float(scaling),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
@@ -178,17 +199,16 @@ def build_weights(
 
 
 def rope_tables(spec: ModelSpec, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine of the default Llama rotary embedding for positions ``0 .. max_len - 1``.
+    """Cosine and sine of the model's rotary embedding for positions ``0 .. max_len - 1``.
 
-    Computed in float32 exactly as Hugging Face does (one product per angle), so positions match
-    bit for bit.
+    Computed in float32 exactly as Hugging Face does (one product per angle, then the rope type's
+    attention scaling), so positions match bit for bit.
     """
-    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).to(dtype=torch.float32) / spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta**exponents)  # (Dh/2,)
+    inv_freq = torch.tensor(spec.rope_inv_freq, dtype=torch.float32)  # (Dh/2,)
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]  # (M, Dh/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (M, Dh)
-    return emb.cos().to(device), emb.sin().to(device)
+    return (emb.cos() * spec.rope_scaling).to(device), (emb.sin() * spec.rope_scaling).to(device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -206,143 +226,131 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-@dataclass
-class KVCache:
-    """Keys and values of every layer for every slot.
+MASK_ELEMENTS = 1 << 24
+"""Largest additive attention mask (B G T Tk elements) one forward builds; callers group rows so
+that prefill batches stay under it (a single row needs no mask)."""
 
-    ``k`` and ``v`` are (L, S, Hkv, M, Dh): layer, slot, kv head, position, head dim. Positions at
-    or beyond a slot's length hold stale but finite values; attention masks them. Memory is
-    allocated uninitialised and zeroed lazily up to the longest sequence seen, so a large
-    ``max_len`` costs resident memory only once sequences grow that long.
+
+def _read_keys(pool: torch.Tensor, tables: torch.Tensor, t_keys: int, rows: slice | None) -> torch.Tensor:
+    """The first ``t_keys`` positions of each row's block table: (B, Tk, Hkv, Dh)."""
+    if rows is not None:
+        return pool[rows, :t_keys]  # one block per row, consecutive: a view
+    bs = pool.shape[1]
+    nb = -(-t_keys // bs)
+    if nb == 1:
+        return pool[:, :t_keys].index_select(0, tables[:, 0])
+    b = tables.shape[0]
+    return pool[tables[:, :nb]].view(b, nb * bs, *pool.shape[2:])[:, :t_keys]  # (B, Tk, Hkv, Dh)
+
+
+def _causal_chunk(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, gqa: bool) -> torch.Tensor:
+    """Attention of one row's (1, Hq, T, Dh) queries at positions ``start ..`` over its keys
+    ``0 .. start + T - 1`` (1, Hkv, Tk, Dh): all earlier keys, and the chunk's own causally.
+
+    On CPU the two parts run unmasked and causal through the flash kernel and merge by their
+    log-sum-exps: a bottom-right causal mask there takes the unfused path, several times slower
+    on a long prompt.
     """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    zeroed: int = 0
-    """Positions ``[0, zeroed)`` of every slot have been initialised."""
-
-    @classmethod
-    def allocate(cls, spec: ModelSpec, slots: int, max_len: int, device: torch.device, dtype: torch.dtype) -> "KVCache":
-        shape = (spec.num_layers, slots, spec.num_kv_heads, max_len, spec.head_dim)
-        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def ensure(self, n: int) -> None:
-        """Initialise positions up to ``n`` before anything reads or writes them.
-
-        Masked positions are still multiplied by a zero attention weight, and 0 * NaN from
-        uninitialised memory would poison the output.
-        """
-        if n <= self.zeroed:
-            return
-        if n > self.max_len:
-            raise ValueError(f"sequence of {n} tokens exceeds the cache length {self.max_len}")
-        hi = min(self.max_len, max(n, 2 * self.zeroed, 64))  # grow geometrically: few calls
-        self.k[:, :, :, self.zeroed : hi] = 0
-        self.v[:, :, :, self.zeroed : hi] = 0
-        self.zeroed = hi
-
-    def move(self, src: int, dst: int, n: int) -> None:
-        """Copy the first ``n`` positions of slot ``src`` into slot ``dst``."""
-        if n > 0 and src != dst:
-            self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-
-    def read(self, slot: int, n: int) -> np.ndarray:
-        """The first ``n`` positions of ``slot`` as one array (L, 2, Hkv, n, Dh) float32."""
-        kv = torch.stack([self.k[:, slot, :, :n], self.v[:, slot, :, :n]], dim=1)  # (L, 2, Hkv, n, Dh)
-        return kv.float().cpu().numpy().copy()
-
-    def write(self, slot: int, kv: np.ndarray) -> None:
-        """Store an array from :meth:`read` at the start of ``slot``."""
-        n = kv.shape[3]
-        if n == 0:
-            return
-        self.ensure(n)
-        t = torch.from_numpy(np.ascontiguousarray(kv)).to(device=self.k.device, dtype=self.k.dtype)
-        self.k[:, slot, :, :n] = t[:, 0]
-        self.v[:, slot, :, :n] = t[:, 1]
+    T = q.shape[2]
+    if start == 0:
+        return F.scaled_dot_product_attention(q, keys, vals, is_causal=T > 1, enable_gqa=gqa)
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if q.device.type != "cpu" or flash is None:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=causal_lower_right(T, start + T), enable_gqa=gqa)
+    if gqa:
+        g = q.shape[1] // keys.shape[1]
+        keys, vals = keys.repeat_interleave(g, dim=1), vals.repeat_interleave(g, dim=1)  # (1, Hq, Tk, Dh)
+    past, past_lse = flash(q, keys[:, :, :start], vals[:, :, :start], 0.0, False)[:2]  # (1, Hq, T, Dh), (1, Hq, T)
+    own, own_lse = flash(q, keys[:, :, start:], vals[:, :, start:], 0.0, True)[:2]
+    w = torch.sigmoid(past_lse - own_lse).unsqueeze(-1).to(q.dtype)  # share of the earlier keys
+    return past * w + own * (1 - w)
 
 
 def forward(
     w: ModelWeights,
     spec: ModelSpec,
-    cache: KVCache,
+    kv: KVBlocks,
     rope: tuple[torch.Tensor, torch.Tensor],
-    slots: slice | torch.Tensor,
+    tables: torch.Tensor,
     tokens: torch.Tensor,
     starts: torch.Tensor,
     n_new: torch.Tensor | None = None,
     t_keys: int | None = None,
+    rows: slice | None = None,
 ) -> torch.Tensor:
-    """Run new tokens of a batch of cache slots through the model; return next-token logits.
+    """Run new tokens of a batch of requests through the model; return next-token logits.
 
     Real tokens are packed into one (N, D) stream for the embedding, norms and matmuls, so right
-    padding costs nothing there; only attention sees the padded (B, T) grid, through one fused
-    ``scaled_dot_product_attention`` per layer.
+    padding costs nothing there; attention reads each row's keys through its block table, one
+    fused ``scaled_dot_product_attention`` per layer (a single row needs no mask tensor, so a long
+    prompt's chunk costs no (T, Tk) mask).
 
     Parameters
     ----------
-    w, spec, cache, rope
-        Weights, shape, KV cache and :func:`rope_tables` of the model.
-    slots
-        The cache slot of each row: a contiguous ``slice`` (decode: no gather copy) or an index
-        tensor (B,).
+    w, spec, kv, rope
+        Weights, shape, KV blocks and :func:`rope_tables` of the model.
+    tables
+        (B, nb) int64 block table of each row, covering ``t_keys`` positions (a shorter row's
+        table padded with any of its own blocks).
     tokens
         (B, T) int64 new tokens, right-padded where a row has fewer than T.
     starts
-        (B,) int64 position of each row's first new token (= tokens already cached in its slot).
+        (B,) int64 position of each row's first new token (= tokens already cached).
     n_new
         (B,) int64 number of real tokens per row; ``None`` means all T.
     t_keys
         ``max(starts + n_new)`` when the caller knows it (saves a device sync).
+    rows
+        When every row's table is one block and the blocks are consecutive, their slice (keys
+        are then read through a view, with no gather).
 
     Returns
     -------
     torch.Tensor
         (B, V) float32 logits after each row's last real token. The new tokens' keys and values
-        are written into the cache.
+        are written into their blocks.
     """
     B, T = tokens.shape
     dev = tokens.device
     hq, hkv, dh, g = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    bs = kv.block_size
     t_idx = torch.arange(T, device=dev)
     qpos = starts[:, None] + t_idx[None, :]  # (B, T)
     if t_keys is None:
         t_keys = int(starts.max().item()) + T if n_new is None else int((starts + n_new).max().item())
-    cache.ensure(t_keys)
 
-    if isinstance(slots, slice):
-        slot_ids = torch.arange(slots.start, slots.stop, device=dev)  # (B,)
-    else:
-        slot_ids = slots
     # Packed stream: flat[i] is the (row * T + column) of real token i, rows in order.
-    packed = n_new is not None and T > 1
+    packed = n_new is not None and T > 1 and B > 1
+    row_ids = torch.arange(B, device=dev)[:, None].expand(B, T).reshape(-1)  # (B T,)
     if packed:
         flat = (t_idx[None, :] < n_new[:, None]).view(-1).nonzero().squeeze(1)  # (N,)
         tok_pos = qpos.reshape(-1)[flat]  # (N,)
-        w_slot = slot_ids[:, None].expand(B, T).reshape(-1)[flat]  # (N,)
+        tok_row = row_ids[flat]
         h = w.embed[tokens.reshape(-1)[flat]]  # (N, D)
     else:
         flat = None
         tok_pos = qpos.reshape(-1)  # (B T,)
-        w_slot = slot_ids[:, None].expand(B, T).reshape(-1)
+        tok_row = row_ids
         h = w.embed[tokens.reshape(-1)]  # (B T, D)
     n_tok = h.shape[0]
+    # Where each new token's key and value go: its block's offset in the flattened pool.
+    dest = tables[tok_row, tok_pos // bs] * bs + tok_pos % bs  # (N,)
 
     cos_t, sin_t = rope
     cos = cos_t[tok_pos].unsqueeze(1)  # (N, 1, Dh)
     sin = sin_t[tok_pos].unsqueeze(1)
-    # Additive mask, shared by all layers: key j is visible to the query at position p iff j <= p
-    # (causal and length mask in one). Query rows are laid out (G, T) per kv head, see below.
-    key_pos = torch.arange(t_keys, device=dev)
-    bias = torch.zeros((B, 1, T, t_keys), device=dev, dtype=w.embed.dtype)
-    bias.masked_fill_((key_pos[None, None, :] > qpos[:, :, None]).view(B, 1, T, t_keys), float("-inf"))  # (B, 1, T, Tk)
-    if g > 1:
-        bias = bias.unsqueeze(2).expand(B, 1, g, T, t_keys).reshape(B, 1, g * T, t_keys)  # (B, 1, G T, Tk)
+    single = B == 1
+    if single:
+        bias = None  # keys are exactly positions 0 .. start + T - 1: see _causal_chunk
+        start = t_keys - T
+    else:
+        # Additive mask, shared by all layers: key j is visible to the query at position p iff
+        # j <= p (causal and length mask in one). Query rows are laid out (G, T) per kv head.
+        key_pos = torch.arange(t_keys, device=dev)
+        bias = torch.zeros((B, 1, T, t_keys), device=dev, dtype=w.embed.dtype)
+        bias.masked_fill_((key_pos[None, None, :] > qpos[:, :, None]).view(B, 1, T, t_keys), float("-inf"))  # (B, 1, T, Tk)
+        if g > 1:
+            bias = bias.unsqueeze(2).expand(B, 1, g, T, t_keys).reshape(B, 1, g * T, t_keys)  # (B, 1, G T, Tk)
 
     for li, lw in enumerate(w.layers):
         x = rms_norm(h, lw.attn_norm, spec.rms_norm_eps)
@@ -351,23 +359,24 @@ def forward(
         # Queries and keys rotate by the same angles: one rotation for both.
         qk = apply_rope(qk.view(n_tok, hq + hkv, dh), cos, sin)  # (N, Hq + Hkv, Dh)
         q, k = qk[:, :hq], qk[:, hq:]  # (N, Hq, Dh), (N, Hkv, Dh)
-        ck, cv = cache.k[li], cache.v[li]  # (S, Hkv, M, Dh)
-        ck[w_slot, :, tok_pos] = k
-        cv[w_slot, :, tok_pos] = v.view(n_tok, hkv, dh)
-        if isinstance(slots, slice):
-            keys = ck[slots, :, :t_keys]  # (B, Hkv, Tk, Dh), a view
-            vals = cv[slots, :, :t_keys]
+        pk, pv = kv.k[li], kv.v[li]  # (NB, BS, Hkv, Dh)
+        pk.view(-1, hkv, dh)[dest] = k
+        pv.view(-1, hkv, dh)[dest] = v.view(n_tok, hkv, dh)
+        keys = _read_keys(pk, tables, t_keys, rows).transpose(1, 2)  # (B, Hkv, Tk, Dh)
+        vals = _read_keys(pv, tables, t_keys, rows).transpose(1, 2)
+        if single:
+            qh = q.view(1, T, hq, dh).transpose(1, 2)  # (1, Hq, T, Dh)
+            attn = _causal_chunk(qh, keys, vals, start, g > 1)  # (1, Hq, T, Dh)
+            attn = attn.transpose(1, 2).reshape(T, hq * dh)  # (T, Hq Dh)
         else:
-            keys = ck[:, :, :t_keys].index_select(0, slots)
-            vals = cv[:, :, :t_keys].index_select(0, slots)
-        if packed:
-            q = q.new_zeros((B * T, hq, dh)).index_copy_(0, flat, q)  # (B T, Hq, Dh), padding zero
-        # Query head h reads kv head h // g, as Hugging Face's repeat_kv lays them out.
-        qg = q.view(B, T, hq, dh).permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
-        attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)  # (B, Hkv, G T, Dh)
-        attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B * T, hq * dh)  # (B T, Hq Dh)
-        if packed:
-            attn = attn[flat]  # (N, Hq Dh)
+            if packed:
+                q = q.new_zeros((B * T, hq, dh)).index_copy_(0, flat, q)  # (B T, Hq, Dh), padding zero
+            # Query head h reads kv head h // g, as Hugging Face's repeat_kv lays them out.
+            qg = q.view(B, T, hq, dh).permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
+            attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)  # (B, Hkv, G T, Dh)
+            attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B * T, hq * dh)  # (B T, Hq Dh)
+            if packed:
+                attn = attn[flat]  # (N, Hq Dh)
         h = h + F.linear(attn, lw.o, lw.o_bias)
         x = rms_norm(h, lw.mlp_norm, spec.rms_norm_eps)
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # (N, I) each
@@ -377,6 +386,9 @@ def forward(
         last = h[torch.cumsum(n_new, 0) - 1]  # (B, D): each row's last real token
     elif T == 1:
         last = h  # (B, D)
+    elif single:
+        n = T if n_new is None else int(n_new[0])
+        last = h[n - 1 : n]  # (1, D)
     else:
         last = h.view(B, T, -1)[:, T - 1]  # (B, D)
     return F.linear(rms_norm(last, w.norm, spec.rms_norm_eps), w.lm_head).float()  # (B, V)

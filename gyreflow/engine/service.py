@@ -63,7 +63,7 @@ class EngineService(WorkerPlugin):
     ----------
     engine_options
         Keyword arguments of the engine (for the torch engine ``max_batch``, ``max_seq_len``,
-        ``retain_slots``...).
+        ``retain_sessions``...).
     torch_threads
         Intra-op threads of this worker's torch (``None`` leaves torch's default).
     factory

@@ -1,11 +1,13 @@
-"""The torch engine: continuous batching over a slot-indexed KV cache, on CPU or GPU.
+"""The torch engine: continuous batching over a paged KV cache, on CPU or GPU.
 
-Every live request owns one cache slot; live slots are always ``0 .. n-1`` (a finishing request's
-slot is refilled by the last one), so a decode iteration reads the cache through a view, with no
-gather. Each iteration first admits waiting requests and prefills their uncached tokens, then
-decodes one token for every live request in a single batched forward. Sessions leave their KV in a
-small LRU of retained slots, from which a later request of the same session copies the longest
-common prefix instead of recomputing it.
+Keys and values live in fixed-size blocks (:mod:`gyreflow.engine.kvcache`); each request's block
+table grows as tokens arrive and is freed when it finishes. Each iteration admits waiting
+requests while blocks are free, prefills up to ``prefill_step_tokens`` of their prompts (a long
+prompt goes in chunks over several iterations, so it does not stall the others), then decodes one
+token for every request whose prompt is in. When blocks run out mid-decode, the youngest request
+is preempted: its KV is copied out and it waits to be resumed, exactly where it was. Finished
+session requests leave their blocks in a small LRU, and a later request of the same session shares
+the blocks of the longest common prefix (copying the partly matching one).
 
 Thread model: ``step`` runs on one thread at a time (usually an
 :class:`~gyreflow.engine.runner.EngineRunner`); ``submit``, ``load_weights``, ``export_request``,
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,8 @@ from gyreflow.engine.base import (
     WorkSignal,
     take_next,
 )
-from gyreflow.engine.forward import KVCache, ModelSpec, ModelWeights, build_weights, forward, rope_tables, sample_tokens
+from gyreflow.engine.forward import MASK_ELEMENTS, ModelSpec, ModelWeights, build_weights, forward, rope_tables, sample_tokens
+from gyreflow.engine.kvcache import BlockAllocator, KVBlocks
 
 LogitsHook = Callable[[list[str], torch.Tensor], None]
 
@@ -57,10 +60,10 @@ class _Request:
     text: bytearray = field(default_factory=bytearray)
     """Completion bytes (ids < 256), for stop strings."""
     n_cached: int = 0
-    """Leading tokens of ``seq`` whose KV is in this request's slot."""
+    """Leading tokens of ``seq`` whose KV is in this request's blocks."""
     prefix_reused: int = 0
     kv_in: np.ndarray | None = None
-    """KV brought by ``import_request``, written into the slot on admission."""
+    """KV brought by ``import_request`` (or kept by a preemption), written into blocks on admission."""
     priority: float = 0.0
 
     @property
@@ -72,21 +75,6 @@ class _Request:
         return self.seq[len(self.prompt) :]
 
 
-@dataclass
-class _Retained:
-    """A finished session request's KV, kept in a retained slot."""
-
-    slot: int
-    tokens: np.ndarray  # (N,) int32 whose KV the slot holds
-    version: int
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if len(diff) else m
-
-
 class TorchEngine(WorkSignal):
     """A Llama policy served with continuous batching by a functional torch forward.
 
@@ -96,28 +84,45 @@ class TorchEngine(WorkSignal):
         A Hugging Face ``LlamaForCausalLM`` (e.g. :func:`gyreflow.model.build_policy`); its weights
         are copied, the module itself is not kept.
     max_batch
-        Most requests decoded together (live slots).
+        Most requests decoded together.
     max_seq_len
-        Longest prompt + completion; the KV cache holds this many positions per slot. Defaults to
-        ``min(max_position_embeddings, 2048)``.
+        Longest prompt + completion. Defaults to the model's ``max_position_embeddings``; KV memory
+        is taken block by block as sequences grow, so a long limit costs nothing until used.
     device
         Torch device of weights and cache (``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...).
     name
         Address or name written into every result's ``engine`` field.
     version
         Weights version of ``model``'s weights.
-    retain_slots
-        Extra cache slots that keep finished sessions' KV for prefix reuse (LRU); 0 disables
-        reuse. Defaults to ``max(1, max_batch // 4)``.
+    retain_sessions
+        Finished sessions whose KV is kept for prefix reuse (LRU); 0 disables reuse. Defaults to
+        ``max(1, max_batch // 4)``.
+    kv_block_size
+        Positions per KV block. ``None`` gives every request one block of ``max_seq_len``
+        positions (a fixed slot per request, the layout before paging; for comparisons).
+    kv_blocks
+        Blocks in the pool. Defaults to room for ``max_batch + retain_sessions`` sequences of
+        ``min(max_seq_len, 4096)`` tokens (and at least one of ``max_seq_len``); with one block
+        per request, ``max_batch + retain_sessions``.
     prefill_chunk
         Most tokens of one request per prefill forward (longer prompts go in chunks).
     prefill_batch_tokens
-        Most padded tokens per prefill forward; admitted requests are grouped under it.
+        Most padded tokens per prefill forward; prompts are grouped under it.
+    prefill_step_tokens
+        Most prompt tokens prefilled per iteration (whole chunks; at least one chunk), so a long
+        prompt is spread over iterations while the other requests decode. ``None``: every
+        admitted prompt is prefilled in the iteration that admits it.
     dtype
         Weights and cache precision; logits and sampling are always float32/float64.
     logits_hook
         Called as ``hook(request_ids, logits)`` with the (B, V) float32 logits of every sampling
         call, for tests and debugging.
+
+    Raises
+    ------
+    ValueError
+        A limit below 1, ``max_seq_len`` beyond the model's positions, or a pool smaller than
+        one sequence of ``max_seq_len`` tokens.
     """
 
     def __init__(
@@ -129,30 +134,49 @@ class TorchEngine(WorkSignal):
         device: str | torch.device | None = None,
         name: str = "torch",
         version: int = 0,
-        retain_slots: int | None = None,
+        retain_sessions: int | None = None,
+        kv_block_size: int | None = 64,
+        kv_blocks: int | None = None,
         prefill_chunk: int = 512,
         prefill_batch_tokens: int = 4096,
+        prefill_step_tokens: int | None = 4096,
         dtype: torch.dtype = torch.float32,
         logits_hook: LogitsHook | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.spec = ModelSpec.from_hf_config(model.config)
+        positions = int(model.config.max_position_embeddings)
         self.device = torch.device(device if device is not None else "cpu")
         self.dtype = dtype
         self.name = name
         self.version = int(version)
         self.max_batch = int(max_batch)
-        self.max_seq_len = int(max_seq_len or min(model.config.max_position_embeddings, 2048))
-        self.retain_slots = int(max(1, max_batch // 4) if retain_slots is None else retain_slots)
+        self.max_seq_len = int(max_seq_len or positions)
+        if not 2 <= self.max_seq_len <= positions:
+            raise ValueError(f"max_seq_len {self.max_seq_len} is outside [2, {positions}] (the model's positions)")
+        self.retain_sessions = int(max(1, max_batch // 4) if retain_sessions is None else retain_sessions)
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.prefill_batch_tokens = max(1, int(prefill_batch_tokens))
+        self.prefill_step_tokens = None if prefill_step_tokens is None else max(1, int(prefill_step_tokens))
         self.logits_hook = logits_hook
+        block = self.max_seq_len if kv_block_size is None else int(kv_block_size)
+        if block < 1:
+            raise ValueError("kv_block_size must be at least 1")
+        sequences = self.max_batch + self.retain_sessions
+        if kv_blocks is None:
+            per_seq = -(-min(self.max_seq_len, 4096) // block)
+            kv_blocks = max(sequences * per_seq, -(-self.max_seq_len // block) + 1)
+        if int(kv_blocks) * block < self.max_seq_len:
+            raise ValueError(f"kv_blocks {kv_blocks} x kv_block_size {block} holds fewer than max_seq_len "
+                             f"{self.max_seq_len} tokens")
 
         with torch.inference_mode():
             self._weights: ModelWeights = build_weights(model.state_dict(), self.spec, self.device, dtype)
             self._rope = rope_tables(self.spec, self.max_seq_len, self.device)
-            self._cache = KVCache.allocate(self.spec, self.max_batch + self.retain_slots, self.max_seq_len, self.device, dtype)
+            s = self.spec
+            self._kv = KVBlocks(s.num_layers, s.num_kv_heads, s.head_dim, int(kv_blocks), block, self.device, dtype)
+        self._blocks = BlockAllocator(int(kv_blocks), block, self.retain_sessions)
 
         # _lock guards the queue, the id table, staged weights and finished futures; _step_lock is
         # held for a whole iteration, so whoever holds it sees the engine between iterations.
@@ -162,12 +186,11 @@ class TorchEngine(WorkSignal):
         self._waiting: deque[_Request] = deque()
         self._ids: dict[str, _Request] = {}
         self._staged: tuple[ModelWeights, int] | None = None
-        self._rows: list[_Request] = []  # live requests; index = cache slot
-        self._retained: OrderedDict[str, _Retained] = OrderedDict()
-        self._free_retained = list(range(self.max_batch + self.retain_slots - 1, self.max_batch - 1, -1))
+        self._rows: list[_Request] = []  # live requests, in admission order
         self._done: list[tuple[Future, GenerationResult | BaseException]] = []
         self._counters = dict(
-            tokens_generated=0, iterations=0, prefill_tokens=0, reused_tokens=0, finished=0, exported=0, imported=0
+            tokens_generated=0, iterations=0, prefill_tokens=0, reused_tokens=0, finished=0, exported=0, imported=0,
+            preempted=0,
         )
 
     @classmethod
@@ -244,7 +267,8 @@ class TorchEngine(WorkSignal):
         if len(prompt) == 0:
             raise ValueError(f"request {request_id!r}: empty prompt")
         if len(prompt) >= self.max_seq_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens, engine holds {self.max_seq_len}")
+            raise ValueError(f"request {request_id!r}: prompt of {len(prompt)} tokens does not fit the engine's context "
+                             f"of {self.max_seq_len} tokens (prompt + completion)")
         if prompt.min() < 0 or prompt.max() >= self.spec.vocab_size:
             raise ValueError(f"request {request_id!r}: token id out of range [0, {self.spec.vocab_size})")
         if params.max_tokens < 1:
@@ -289,9 +313,9 @@ class TorchEngine(WorkSignal):
             if waiting:
                 kv = req.kv_in if req.kv_in is not None else self._empty_kv()
             else:
-                slot = self._rows.index(req)
-                kv = self._cache.read(slot, req.n_cached)
-                self._remove_row(slot)
+                kv = self._kv.read(self._blocks.table(req.request_id), req.n_cached)
+                self._blocks.close(req.request_id)
+                self._rows.remove(req)
         state = LiveRequestState(
             request_id=req.request_id,
             prompt_ids=req.prompt.copy(),
@@ -339,8 +363,7 @@ class TorchEngine(WorkSignal):
         if staged is None:
             return
         self._weights, self.version = staged
-        while self._retained:
-            self._free_retained.append(self._retained.popitem()[1].slot)
+        self._blocks.drop_retained()
 
     # ------------------------------------------------------------------ the loop
 
@@ -349,7 +372,7 @@ class TorchEngine(WorkSignal):
         return bool(self._rows or self._waiting or self._staged is not None)
 
     def step(self) -> int:
-        """One iteration: apply staged weights, admit and prefill, decode every live request.
+        """One iteration: apply staged weights, admit, prefill, decode every request whose prompt is in.
 
         Returns
         -------
@@ -361,11 +384,9 @@ class TorchEngine(WorkSignal):
             with self._step_lock, torch.inference_mode():
                 try:
                     self._apply_staged()
-                    admitted = self._admit()
-                    if admitted:
-                        produced += self._prefill([r for r in admitted if len(r.seq) - r.n_cached > 1])
-                    if self._rows:
-                        produced += self._decode()
+                    self._admit()
+                    produced += self._prefill()
+                    produced += self._decode()
                     with self._lock:
                         self._counters["iterations"] += 1
                         self._counters["tokens_generated"] += produced
@@ -384,120 +405,162 @@ class TorchEngine(WorkSignal):
             n += 1
         return total
 
-    def _admit(self) -> list[_Request]:
-        admitted = []
-        with self._lock:
-            while self._waiting and len(self._rows) < self.max_batch:
-                req = take_next(self._waiting)
-                self._rows.append(req)
-                admitted.append(req)
-        first = len(self._rows) - len(admitted)
-        for i, req in enumerate(admitted):
-            self._place(req, first + i)
-        return admitted
-
-    def _place(self, req: _Request, slot: int) -> None:
-        """Fill a newly assigned slot with whatever KV the request can reuse."""
-        if req.kv_in is not None:
-            self._cache.write(slot, req.kv_in)
-            req.n_cached, req.kv_in = req.kv_in.shape[3], None
-            return
-        entry = self._retained.get(req.session) if req.session is not None else None
-        if entry is None or entry.version != self.version:
-            return
-        # At least one token must be fed to get next-token logits.
-        reuse = min(_common_prefix(entry.tokens, req.prompt), len(req.seq) - 1)
-        self._retained.move_to_end(req.session)
-        if reuse > 0:
-            self._cache.move(entry.slot, slot, reuse)
-            req.n_cached = req.prefix_reused = reuse
+    def _admit(self) -> None:
+        """Move waiting requests in, in priority order, while rows and blocks are free."""
+        while len(self._rows) < self.max_batch:
             with self._lock:
-                self._counters["reused_tokens"] += reuse
+                if not self._waiting:
+                    return
+                req = take_next(self._waiting)
+            if not self._place(req):
+                with self._lock:
+                    self._waiting.appendleft(req)  # first again among its priority
+                return
+            self._rows.append(req)
 
-    def _prefill(self, rows: list[_Request]) -> int:
-        """Feed every uncached token of ``rows``, in chunks, and sample after each row's last."""
-        produced = 0
+    def _place(self, req: _Request) -> bool:
+        """Give a request blocks for its whole sequence, filled with whatever KV it brings or can
+        reuse; False (and nothing held) when the pool cannot hold it now."""
+        blocks, rid = self._blocks, req.request_id
+        blocks.open(rid)
+        reused = 0
+        if req.kv_in is None and req.session is not None:
+            seq = np.asarray(req.seq, dtype=np.int32)
+            reused = blocks.share(rid, req.session, seq, self.version, self._kv.copy)
+        if not blocks.grow(rid, len(req.seq)):
+            blocks.close(rid)
+            return False
+        self._kv.initialise(blocks.highest + 1)
+        if req.kv_in is not None:
+            self._kv.write(blocks.table(rid), req.kv_in)
+            req.n_cached, req.kv_in = req.kv_in.shape[3], None
+        elif reused:
+            req.n_cached = req.prefix_reused = reused
+            with self._lock:
+                self._counters["reused_tokens"] += reused
+        return True
+
+    def _tables(self, rows: list[_Request], n_tokens: int) -> tuple[torch.Tensor, slice | None]:
+        """(B, nb) block tables covering ``n_tokens`` positions, short ones padded with their own
+        last block; and the slice of blocks when each row has one and they are consecutive."""
+        nb = self._blocks.blocks_for(n_tokens)
+        tables = [self._blocks.table(r.request_id)[:nb] for r in rows]
+        if nb == 1:
+            first = tables[0][0]
+            if all(t[0] == first + i for i, t in enumerate(tables)):
+                return torch.tensor([t[0] for t in tables], device=self.device)[:, None], slice(first, first + len(rows))
+        padded = [t + [t[-1]] * (nb - len(t)) for t in tables]
+        return torch.tensor(padded, device=self.device), None  # (B, nb)
+
+    def _prefill(self) -> int:
+        """Feed uncached prompt tokens, whole chunks up to ``prefill_step_tokens``, oldest requests
+        first; sample after each request's last token."""
+        pending = sorted((r for r in self._rows if len(r.seq) - r.n_cached > 1), key=lambda r: r.priority)
+        budget = self.prefill_step_tokens
+        spent, produced = 0, 0
         finished: list[tuple[_Request, str]] = []
-        # Slots stay put until the retirements at the end of the phase.
-        slot_of = {id(r): i for i, r in enumerate(self._rows)}
-        for group in self._prefill_groups(rows):
-            pending = group
-            while pending:
-                n_new = [min(len(r.seq) - r.n_cached, self.prefill_chunk) for r in pending]
+        while pending:
+            chunks: list[tuple[_Request, int]] = []
+            for r in pending:
+                n = min(len(r.seq) - r.n_cached, self.prefill_chunk)
+                if budget is not None and spent > 0 and spent + n > budget:
+                    break
+                chunks.append((r, n))
+                spent += n
+            if not chunks:
+                break
+            for group in self._prefill_groups(chunks):
+                rows = [r for r, _ in group]
+                n_new = [n for _, n in group]
                 width = max(n_new)
-                toks = [r.seq[r.n_cached : r.n_cached + n] + [0] * (width - n) for r, n in zip(pending, n_new)]
+                t_keys = max(r.n_cached + n for r, n in group)
+                tables, view = self._tables(rows, t_keys)
+                toks = [r.seq[r.n_cached : r.n_cached + n] + [0] * (width - n) for r, n in group]
                 logits = forward(
                     self._weights,
                     self.spec,
-                    self._cache,
+                    self._kv,
                     self._rope,
-                    self._slots_arg([slot_of[id(r)] for r in pending]),
+                    tables,
                     torch.tensor(toks, device=self.device),  # (B, T)
-                    torch.tensor([r.n_cached for r in pending], device=self.device),  # (B,)
+                    torch.tensor([r.n_cached for r in rows], device=self.device),  # (B,)
                     torch.tensor(n_new, device=self.device),  # (B,)
-                    t_keys=max(r.n_cached + n for r, n in zip(pending, n_new)),
+                    t_keys=t_keys,
+                    rows=view,
                 )  # (B, V)
-                for r, n in zip(pending, n_new):
+                for r, n in group:
                     r.n_cached += n
                 with self._lock:
                     self._counters["prefill_tokens"] += sum(n_new)
-                ready = [i for i, r in enumerate(pending) if r.n_cached == len(r.seq)]
-                rest = [r for r in pending if r.n_cached < len(r.seq)]
+                ready = [i for i, r in enumerate(rows) if r.n_cached == len(r.seq)]
                 if ready:
-                    rows_ready = [pending[i] for i in ready]
-                    logits_ready = logits if len(ready) == len(pending) else logits[torch.tensor(ready, device=self.device)]
+                    rows_ready = [rows[i] for i in ready]
+                    logits_ready = logits if len(ready) == len(rows) else logits[torch.tensor(ready, device=self.device)]
                     finished += self._sample_and_append(rows_ready, logits_ready)
                     produced += len(rows_ready)
-                pending = rest
+            pending = [r for r in pending if len(r.seq) - r.n_cached > 1]  # sampled rows have one left
         if finished:
             self._retire(finished)
         return produced
 
-    def _slots_arg(self, slots: list[int]) -> slice | torch.Tensor:
-        """Cache slots for :func:`forward`: a slice when they are consecutive, else an index tensor.
-
-        Admitted requests take consecutive slots, so a prefill batch in slot order usually reads
-        its keys through a view instead of gathering them.
-        """
-        lo = slots[0]
-        if slots == list(range(lo, lo + len(slots))):
-            return slice(lo, lo + len(slots))
-        return torch.tensor(slots, device=self.device)  # (B,)
-
-    def _prefill_groups(self, rows: list[_Request]) -> list[list[_Request]]:
-        """Split ``rows`` into batches whose padded size fits ``prefill_batch_tokens``.
-
-        Rows are grouped by length (less padding), then each group is put back in slot order.
-        """
-        slot_of = {id(r): i for i, r in enumerate(self._rows)}
-        groups: list[list[_Request]] = []
-        group: list[_Request] = []
-        width = 0
-        for r in sorted(rows, key=lambda r: len(r.seq) - r.n_cached):
-            w = min(len(r.seq) - r.n_cached, self.prefill_chunk)
-            if group and (len(group) + 1) * max(width, w) > self.prefill_batch_tokens:
+    def _prefill_groups(self, chunks: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
+        """Split chunks into forwards whose padded size fits ``prefill_batch_tokens`` and whose
+        attention mask fits :data:`MASK_ELEMENTS` (a row alone needs no mask)."""
+        g = self.spec.group
+        groups: list[list[tuple[_Request, int]]] = []
+        group: list[tuple[_Request, int]] = []
+        width = keys = 0
+        for r, n in sorted(chunks, key=lambda c: c[1]):  # by length: less padding
+            w, k = max(width, n), max(keys, r.n_cached + n)
+            if group and ((len(group) + 1) * w > self.prefill_batch_tokens or (len(group) + 1) * w * g * k > MASK_ELEMENTS):
                 groups.append(group)
-                group, width = [], 0
-            group.append(r)
-            width = max(width, w)
+                group, w, k = [], n, r.n_cached + n
+            group.append((r, n))
+            width, keys = w, k
         if group:
             groups.append(group)
-        return [sorted(g, key=lambda r: slot_of[id(r)]) for g in groups]
+        return groups
 
     def _decode(self) -> int:
-        """One token for every live request, in one forward over slots ``0 .. n-1``."""
-        rows = self._rows
+        """One token for every request whose prompt is in, in one forward."""
+        rows = [r for r in self._rows if r.n_cached == len(r.seq) - 1]
+        if not rows:
+            return 0
+        for r in sorted(rows, key=lambda r: r.priority):
+            while r in self._rows and not self._blocks.grow(r.request_id, r.n_cached + 1):
+                self._preempt(self._victim())
+        self._kv.initialise(self._blocks.highest + 1)
+        rows = [r for r in self._rows if r.n_cached == len(r.seq) - 1]
+        if not rows:
+            return 0
         n = len(rows)
+        t_keys = max(r.n_cached for r in rows) + 1
+        tables, view = self._tables(rows, t_keys)
         tokens = torch.tensor([r.seq[-1] for r in rows], device=self.device).view(n, 1)  # (B, 1)
         starts = torch.tensor([r.n_cached for r in rows], device=self.device)  # (B,)
-        t_keys = max(r.n_cached for r in rows) + 1
-        logits = forward(self._weights, self.spec, self._cache, self._rope, slice(0, n), tokens, starts, t_keys=t_keys)  # (B, V)
+        logits = forward(self._weights, self.spec, self._kv, self._rope, tables, tokens, starts, t_keys=t_keys, rows=view)  # (B, V)
         for r in rows:
             r.n_cached += 1
-        finished = self._sample_and_append(list(rows), logits)
+        finished = self._sample_and_append(rows, logits)
         if finished:
             self._retire(finished)
         return n
+
+    def _victim(self) -> _Request:
+        """The live request to preempt: the lowest priority (highest value), the youngest among equals."""
+        if not self._rows:
+            raise RuntimeError("KV pool exhausted with no request to preempt")
+        return max(enumerate(self._rows), key=lambda x: (x[1].priority, x[0]))[1]
+
+    def _preempt(self, r: _Request) -> None:
+        """Take a live request out to wait again: its KV is copied out and written back on resume."""
+        kv = self._kv.read(self._blocks.table(r.request_id), r.n_cached)
+        self._blocks.close(r.request_id)
+        self._rows.remove(r)
+        r.kv_in, r.n_cached = (kv if kv.shape[3] else None), 0
+        with self._lock:
+            self._waiting.appendleft(r)
+            self._counters["preempted"] += 1
 
     def _sample_and_append(self, rows: list[_Request], logits: torch.Tensor) -> list[tuple[_Request, str]]:
         """Sample one token per row and record it; return the rows that finished, with why."""
@@ -537,13 +600,12 @@ class TorchEngine(WorkSignal):
         return None
 
     def _retire(self, finished: list[tuple[_Request, str]]) -> None:
-        slot_of = {id(r): i for i, r in enumerate(self._rows)}
-        # Highest slot first: a row moved down to fill a hole is never one still to be retired.
-        for r, reason in sorted(finished, key=lambda x: -slot_of[id(x[0])]):
-            slot = slot_of[id(r)]
-            if r.session is not None and self.retain_slots > 0 and r.n_cached > 0:
-                self._retain(r, slot)
-            self._remove_row(slot)
+        for r, reason in finished:
+            if r.session is not None and self.retain_sessions > 0 and r.n_cached > 0:
+                self._blocks.retain(r.request_id, r.session, np.asarray(r.seq[: r.n_cached], dtype=np.int32), self.version)
+            else:
+                self._blocks.close(r.request_id)
+            self._rows.remove(r)
             result = GenerationResult(
                 request_id=r.request_id,
                 prompt_ids=r.prompt,
@@ -559,27 +621,9 @@ class TorchEngine(WorkSignal):
                 self._counters["finished"] += 1
                 self._done.append((r.future, result))
 
-    def _retain(self, r: _Request, slot: int) -> None:
-        entry = self._retained.pop(r.session, None)
-        if entry is not None:
-            dst = entry.slot
-        elif self._free_retained:
-            dst = self._free_retained.pop()
-        else:
-            dst = self._retained.popitem(last=False)[1].slot  # least recently used
-        self._cache.move(slot, dst, r.n_cached)
-        self._retained[r.session] = _Retained(dst, np.asarray(r.seq[: r.n_cached], dtype=np.int32), self.version)
-
-    def _remove_row(self, slot: int) -> None:
-        """Free a live slot, moving the last live request into it to keep slots contiguous."""
-        last = len(self._rows) - 1
-        if slot != last:
-            moved = self._rows[last]
-            self._cache.move(last, slot, moved.n_cached)
-            self._rows[slot] = moved
-        self._rows.pop()
-
     def _fail_live(self, exc: BaseException) -> None:
+        for r in self._rows:
+            self._blocks.close(r.request_id)
         with self._lock:
             for r in self._rows:
                 self._ids.pop(r.request_id, None)
@@ -609,7 +653,13 @@ class TorchEngine(WorkSignal):
                 version=self.version,
                 staged_version=self._staged[1] if self._staged is not None else None,
                 max_batch=self.max_batch,
-                retained_sessions=len(self._retained),
+                max_seq_len=self.max_seq_len,
+                retained_sessions=self._blocks.retained_sessions,
+                kv_block_size=self._blocks.block_size,
+                kv_blocks=self._blocks.num_blocks,
+                kv_blocks_used=self._blocks.used,
+                kv_peak_blocks=self._blocks.peak_used,
+                kv_bytes_per_block=self._kv.bytes_per_block,
             )
         return out
 

@@ -34,9 +34,23 @@ class ModelConfig:
     """Longest context the rotary embedding is configured for."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_type: str = "default"
+    """Rope scaling as Hugging Face names it (``default``, ``linear``, ``llama3``, ``yarn``): how
+    positions beyond ``rope_original_positions`` are reached."""
+    rope_factor: float = 1.0
+    """Context extension factor of a scaled rope type."""
+    rope_original_positions: int | None = None
+    """Positions the rotary embedding was designed for before scaling (scaled types only)."""
 
     def hf_config(self) -> LlamaConfig:
+        scaling = None
+        if self.rope_type != "default":
+            scaling = {"rope_type": self.rope_type, "factor": float(self.rope_factor), "rope_theta": self.rope_theta,
+                       "original_max_position_embeddings": int(self.rope_original_positions or self.max_position_embeddings)}
+            if self.rope_type == "llama3":
+                scaling.update(low_freq_factor=1.0, high_freq_factor=4.0)
         return LlamaConfig(
+            rope_scaling=scaling,
             vocab_size=VOCAB_SIZE,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,

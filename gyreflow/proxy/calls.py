@@ -187,7 +187,7 @@ def _engine_error(err: BaseException) -> ApiError:
     if isinstance(err, ApiError):
         return err
     if isinstance(err, ValueError):  # the engine's own check of the request
-        too_long = "engine holds" in str(err)
+        too_long = "the engine's context" in str(err)
         return bad_request(f"the engine refused the request: {err}",
                            code="context_length_exceeded" if too_long else None)
     if isinstance(err, (RuntimeError, OSError)):  # no engine, or its worker went away

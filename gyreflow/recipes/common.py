@@ -22,7 +22,7 @@ from gyreflow.trajectory.records import END_REASONS, RETRIED
 def engine_options(cfg: RunConfig) -> dict:
     ctx = cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call + 64
     return {"max_batch": cfg.cluster.engine_max_batch, "max_seq_len": ctx,
-            "retain_slots": 2 * cfg.cluster.engine_max_batch}
+            "retain_sessions": 2 * cfg.cluster.engine_max_batch}
 
 
 def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
