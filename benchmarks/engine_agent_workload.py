@@ -40,9 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--spare-calls", type=int, default=4, help="calls allowed beyond two per room")
     p.add_argument("--max-tokens", type=int, default=8, help="longest completion of one call")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-batch", type=int, default=64, help="engine live slots")
-    p.add_argument("--retain-slots", type=int, default=None, help="engine retained session slots (default: --workers)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="engine cache positions per slot")
+    p.add_argument("--max-batch", type=int, default=64, help="engine live requests")
+    p.add_argument("--retain-sessions", type=int, default=None, help="engine retained sessions (default: --workers)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="engine context (prompt + completion)")
     p.add_argument("--checkpoint", default=None, help="Hugging Face checkpoint dir (default: random weights)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
@@ -99,8 +99,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_policy(args.checkpoint) if args.checkpoint else build_policy(ModelConfig())
-    retain = args.workers if args.retain_slots is None else args.retain_slots
-    options = dict(max_batch=args.max_batch, retain_slots=retain, max_seq_len=args.max_seq_len, device=args.device)
+    retain = args.workers if args.retain_sessions is None else args.retain_sessions
+    options = dict(max_batch=args.max_batch, retain_sessions=retain, max_seq_len=args.max_seq_len, device=args.device)
     print(
         f"{args.executions} executions x horizon {args.horizon} (+{args.spare_calls} spare calls), {args.workers} workers, "
         f"max_tokens {args.max_tokens}; engine {options}; torch threads {torch.get_num_threads()}; "

@@ -651,6 +651,32 @@ def bench_migration(context, repeats, json_path) -> None:
                     *(["--json", json_path] if json_path else [])])
 
 
+@bench.command("engine")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Interleaved rounds of every arm.")
+@click.option("--executions", type=click.IntRange(min=1), default=96, show_default=True,
+              help="Agent executions per round of the memory and tokens/s arms.")
+@click.option("--long-tokens", type=click.IntRange(min=4096, max=131000), default=100_000, show_default=True,
+              help="Prompt being prefilled while a short request waits for its first token.")
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Torch intra-op threads (0: torch's default).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_engine(repeats, executions, long_tokens, threads, json_path) -> None:
+    """Paged KV cache vs one slot per request: memory, tokens/s, first token beside a long prefill, migration."""
+    import json
+
+    import torch
+
+    from gyreflow.bench.engine import format_engine, run_engine_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    out = run_engine_bench(repeats=repeats, executions=executions, long_tokens=long_tokens, log=console.print)
+    console.print(format_engine(out))
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1))
+        console.print(f"figures written to {json_path}")
+
+
 @bench.command("move-latency")
 @click.option("--rounds", type=int, default=10, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")

@@ -27,6 +27,7 @@ from gyreflow.engine.base import (
 from gyreflow.engine.runner import EngineRunner
 from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
+from gyreflow.model.policy import LONG_CONTEXT
 from gyreflow.model.chat import decode_ids
 
 TINY = ModelConfig(
@@ -39,18 +40,7 @@ TINY = ModelConfig(
 )
 
 
-LONG = ModelConfig(
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=1,
-    num_kv_heads=1,
-    max_position_embeddings=131072,
-    rope_type="yarn",  # 4,096 designed positions stretched x32, as long-context checkpoints ship
-    rope_factor=32.0,
-    rope_original_positions=4096,
-)
-"""A policy with 128K positions, small enough that a 128K-token prefill takes seconds on one core."""
+LONG = LONG_CONTEXT
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -523,10 +513,12 @@ class TestTorchEngine(EngineTests):
         return self.make_engine(model, kv_blocks=tokens // self.block, **kwargs)
 
     def test_paged_equals_one_slot_per_request(self, model):
-        requests = [req(f"b{i}", 5 + 13 * i, 160 + i, temperature=1.0, max_tokens=70) for i in range(5)]
-        slots = generate(self.make_engine(model, kv_block_size=None), requests)
-        for a, b in zip(slots, generate(self.make_engine(model), requests)):
-            assert_same(a, b)
+        # Short and long contexts: decode attends in one batch, or row by row over block runs.
+        for lengths in ([5 + 13 * i for i in range(5)], [260 + 13 * i for i in range(5)]):
+            requests = [req(f"b{n}", n, 160 + n, temperature=1.0, max_tokens=70) for n in lengths]
+            slots = generate(self.make_engine(model, kv_block_size=None, max_seq_len=512), requests)
+            for a, b in zip(slots, generate(self.make_engine(model, max_seq_len=512), requests)):
+                assert_same(a, b)
 
     def test_blocks_are_freed_and_shared(self, model):
         engine = self.make_engine(model, retain_sessions=1)

@@ -240,7 +240,9 @@ def _read_keys(pool: torch.Tensor, tables: torch.Tensor, t_keys: int, rows: slic
     if nb == 1:
         return pool[:, :t_keys].index_select(0, tables[:, 0])
     b = tables.shape[0]
-    return pool[tables[:, :nb]].view(b, nb * bs, *pool.shape[2:])[:, :t_keys]  # (B, Tk, Hkv, Dh)
+    # index_select copies whole blocks several times faster than advanced indexing does.
+    blocks = pool.index_select(0, tables[:, :nb].reshape(-1))  # (B nb, BS, Hkv, Dh)
+    return blocks.view(b, nb * bs, *pool.shape[2:])[:, :t_keys]  # (B, Tk, Hkv, Dh)
 
 
 def _causal_chunk(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: int, gqa: bool) -> torch.Tensor:
@@ -266,6 +268,48 @@ def _causal_chunk(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start
     return past * w + own * (1 - w)
 
 
+def _attend_rows(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, tables: torch.Tensor,
+                 spans: list[tuple[int, int]], gqa: bool) -> torch.Tensor:
+    """Decode attention row by row: (B, Hq, Dh) queries, each over its own keys.
+
+    ``spans[b]`` is (flat offset of row b's first key, its number of keys), with offset -1 when
+    its blocks are not one consecutive run (they are gathered). A consecutive run is read through
+    a view: with long contexts, a gather of every row's keys costs more than a call per row.
+    """
+    hkv, dh = pk.shape[2], pk.shape[3]
+    fk, fv = pk.view(-1, hkv, dh), pv.view(-1, hkv, dh)  # (NB BS, Hkv, Dh)
+    bs = pk.shape[1]
+    out = []
+    for b, (offset, n) in enumerate(spans):
+        if offset >= 0:
+            k, v = fk[offset : offset + n], fv[offset : offset + n]  # (n, Hkv, Dh), views
+        else:
+            idx = tables[b, : -(-n // bs)]
+            k = pk.index_select(0, idx).view(-1, hkv, dh)[:n]
+            v = pv.index_select(0, idx).view(-1, hkv, dh)[:n]
+        out.append(F.scaled_dot_product_attention(q[b, :, None, None].transpose(0, 1), k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], enable_gqa=gqa))  # (1, Hq, 1, Dh)
+    return torch.cat(out).view(len(spans), -1)  # (B, Hq Dh)
+
+
+def _attend_batch(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, bias, flat, start: int, B: int, T: int,
+                  spec: ModelSpec) -> torch.Tensor:
+    """Attention of packed (N, Hq, Dh) queries over (B, Hkv, Tk, Dh) keys: one fused call; a
+    single row with no mask (see :func:`_causal_chunk`). Returns (N, Hq Dh)."""
+    hq, hkv, dh, g = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.group
+    if B == 1:
+        qh = q.view(1, T, hq, dh).transpose(1, 2)  # (1, Hq, T, Dh)
+        attn = _causal_chunk(qh, keys, vals, start, g > 1)  # (1, Hq, T, Dh)
+        return attn.transpose(1, 2).reshape(T, hq * dh)  # (T, Hq Dh)
+    if flat is not None:
+        q = q.new_zeros((B * T, hq, dh)).index_copy_(0, flat, q)  # (B T, Hq, Dh), padding zero
+    # Query head h reads kv head h // g, as Hugging Face's repeat_kv lays them out.
+    qg = q.view(B, T, hq, dh).permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
+    attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)  # (B, Hkv, G T, Dh)
+    attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B * T, hq * dh)  # (B T, Hq Dh)
+    return attn if flat is None else attn[flat]  # (N, Hq Dh)
+
+
 def forward(
     w: ModelWeights,
     spec: ModelSpec,
@@ -277,6 +321,7 @@ def forward(
     n_new: torch.Tensor | None = None,
     t_keys: int | None = None,
     rows: slice | None = None,
+    spans: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Run new tokens of a batch of requests through the model; return next-token logits.
 
@@ -303,6 +348,9 @@ def forward(
     rows
         When every row's table is one block and the blocks are consecutive, their slice (keys
         are then read through a view, with no gather).
+    spans
+        Decode only (T = 1): attend row by row, reading consecutive blocks through views (see
+        :func:`_attend_rows`).
 
     Returns
     -------
@@ -340,9 +388,9 @@ def forward(
     cos = cos_t[tok_pos].unsqueeze(1)  # (N, 1, Dh)
     sin = sin_t[tok_pos].unsqueeze(1)
     single = B == 1
-    if single:
-        bias = None  # keys are exactly positions 0 .. start + T - 1: see _causal_chunk
-        start = t_keys - T
+    start = t_keys - T if single else 0
+    if single or spans is not None:
+        bias = None  # a single row's keys are exactly positions 0 .. start + T - 1: see _causal_chunk
     else:
         # Additive mask, shared by all layers: key j is visible to the query at position p iff
         # j <= p (causal and length mask in one). Query rows are laid out (G, T) per kv head.
@@ -360,23 +408,14 @@ def forward(
         qk = apply_rope(qk.view(n_tok, hq + hkv, dh), cos, sin)  # (N, Hq + Hkv, Dh)
         q, k = qk[:, :hq], qk[:, hq:]  # (N, Hq, Dh), (N, Hkv, Dh)
         pk, pv = kv.k[li], kv.v[li]  # (NB, BS, Hkv, Dh)
-        pk.view(-1, hkv, dh)[dest] = k
-        pv.view(-1, hkv, dh)[dest] = v.view(n_tok, hkv, dh)
-        keys = _read_keys(pk, tables, t_keys, rows).transpose(1, 2)  # (B, Hkv, Tk, Dh)
-        vals = _read_keys(pv, tables, t_keys, rows).transpose(1, 2)
-        if single:
-            qh = q.view(1, T, hq, dh).transpose(1, 2)  # (1, Hq, T, Dh)
-            attn = _causal_chunk(qh, keys, vals, start, g > 1)  # (1, Hq, T, Dh)
-            attn = attn.transpose(1, 2).reshape(T, hq * dh)  # (T, Hq Dh)
+        pk.view(-1, hkv, dh).index_copy_(0, dest, k)
+        pv.view(-1, hkv, dh).index_copy_(0, dest, v.view(n_tok, hkv, dh))
+        if spans is not None:
+            attn = _attend_rows(q, pk, pv, tables, spans, g > 1)  # (B, Hq Dh)
         else:
-            if packed:
-                q = q.new_zeros((B * T, hq, dh)).index_copy_(0, flat, q)  # (B T, Hq, Dh), padding zero
-            # Query head h reads kv head h // g, as Hugging Face's repeat_kv lays them out.
-            qg = q.view(B, T, hq, dh).permute(0, 2, 1, 3).reshape(B, hkv, g * T, dh)  # (B, Hkv, G T, Dh)
-            attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=bias)  # (B, Hkv, G T, Dh)
-            attn = attn.view(B, hq, T, dh).permute(0, 2, 1, 3).reshape(B * T, hq * dh)  # (B T, Hq Dh)
-            if packed:
-                attn = attn[flat]  # (N, Hq Dh)
+            attn = _attend_batch(q, _read_keys(pk, tables, t_keys, rows).transpose(1, 2),
+                                 _read_keys(pv, tables, t_keys, rows).transpose(1, 2), bias, flat,
+                                 start, B, T, spec)  # (N, Hq Dh)
         h = h + F.linear(attn, lw.o, lw.o_bias)
         x = rms_norm(h, lw.mlp_norm, spec.rms_norm_eps)
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)  # (N, I) each

@@ -20,8 +20,8 @@ import torch
 class KVBlocks:
     """Keys and values of every layer in ``num_blocks`` blocks of ``block_size`` positions.
 
-    ``k`` and ``v`` are (L, NB, BS, Hkv, Dh). Memory is allocated uninitialised and zeroed lazily
-    up to the highest block handed out, so a large pool costs resident memory only once used.
+    ``k`` and ``v`` are (L, NB, BS, Hkv, Dh). Memory is allocated uninitialised and each block is
+    zeroed the first time it is handed out, so a large pool costs resident memory only once used.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -31,28 +31,28 @@ class KVBlocks:
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.initialised = 0
-        """Blocks ``[0, initialised)`` hold finite values."""
+        self._ready = np.zeros(num_blocks, dtype=bool)  # blocks that hold finite values
 
     @property
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    def initialise(self, upto: int) -> None:
-        """Zero blocks up to ``upto`` before anything reads them.
+    def prepare(self, blocks: list[int]) -> None:
+        """Zero the blocks among ``blocks`` never used before, before anything reads them.
 
         Masked positions are still multiplied by a zero attention weight, and 0 * NaN from
         uninitialised memory would poison the output.
         """
-        if upto <= self.initialised:
-            return
-        hi = min(self.num_blocks, max(upto, 2 * self.initialised, 8))  # grow geometrically: few calls
-        self.k[:, self.initialised : hi] = 0
-        self.v[:, self.initialised : hi] = 0
-        self.initialised = hi
+        fresh = [b for b in blocks if not self._ready[b]]
+        if fresh:
+            idx = torch.tensor(fresh, device=self.k.device)
+            self.k.index_fill_(1, idx, 0)
+            self.v.index_fill_(1, idx, 0)
+            self._ready[fresh] = True
 
     def copy(self, src: int, dst: int, n: int) -> None:
-        """Copy the first ``n`` positions of block ``src`` into block ``dst``."""
+        """Copy the first ``n`` positions of block ``src`` into block ``dst`` (prepared first)."""
+        self.prepare([dst])
         self.k[:, dst, :n] = self.k[:, src, :n]
         self.v[:, dst, :n] = self.v[:, src, :n]
 
@@ -87,6 +87,8 @@ class _Retained:
     blocks: list[int]
     tokens: np.ndarray  # (N,) int32 whose KV the blocks hold
     version: int
+    extended: bool = False
+    """A request that continues the whole history shares (and writes past it in) the last block."""
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -99,11 +101,18 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class BlockAllocator:
     """Block tables of live requests and retained sessions, over a pool of ``num_blocks`` blocks.
 
-    A block is free, or referenced by one or more tables (live requests, retained sessions). Only
-    a table's last, partly filled block is ever written, and that block is never shared: a request
-    reusing a retained prefix shares its whole blocks and copies the partial one
-    (copy-on-write). When no block is free, retained sessions are evicted, least recently used
-    first; when none is left, :meth:`grow` fails and the engine preempts a request.
+    A block is free, or referenced by one or more tables (live requests, retained sessions). A
+    request reusing a retained prefix shares its whole blocks; the partly filled last block is
+    shared only with the first request that continues the whole history (it writes past the
+    retained positions, never over them), and copied for any other (copy-on-write). Positions
+    below a table's length are never written again, so sharing never changes what a table reads.
+    When no block is free, retained sessions are evicted, least recently used first; when none is
+    left, :meth:`grow` fails and the engine preempts a request.
+
+    Blocks are placed so tables stay contiguous where they can (a run of consecutive blocks is
+    read through a view, without a gather): a table grows into the block after its last when
+    that is free, and otherwise starts a run in the middle of the largest free run, leaving room
+    on both sides.
 
     Parameters
     ----------
@@ -117,14 +126,15 @@ class BlockAllocator:
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.retain_sessions = int(retain_sessions)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out the lowest id
+        self._is_free = np.ones(self.num_blocks, dtype=bool)
+        self._n_free = self.num_blocks
         self._refs = [0] * self.num_blocks
+        self.taken: list[int] = []
+        """Blocks handed out since the caller last emptied this list (to prepare them)."""
         self._tables: dict[str, list[int]] = {}
         self._retained: OrderedDict[str, _Retained] = OrderedDict()
         self.peak_used = 0
         """Most blocks referenced at once (live and retained)."""
-        self.highest = -1
-        """Highest block id ever handed out (what :class:`KVBlocks` must have initialised)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -133,7 +143,7 @@ class BlockAllocator:
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._n_free
 
     @property
     def retained_sessions(self) -> int:
@@ -159,7 +169,7 @@ class BlockAllocator:
         (the blocks already added stay in the table)."""
         table = self._tables[request_id]
         while len(table) * self.block_size < n_tokens:
-            b = self._take()
+            b = self._take(table[-1] + 1 if table else None)
             if b is None:
                 return False
             table.append(b)
@@ -204,7 +214,11 @@ class BlockAllocator:
         for b in entry.blocks[:full]:
             self._refs[b] += 1
             table.append(b)
-        if partial:
+        if partial and reuse == len(entry.tokens) and not entry.extended:
+            entry.extended = True  # this request writes past the history in the shared block
+            self._refs[entry.blocks[full]] += 1
+            table.append(entry.blocks[full])
+        elif partial:
             src = entry.blocks[full]
             self._refs[src] += 1  # held while a new block is taken: eviction must not free it
             dst = self._take()
@@ -223,19 +237,33 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ blocks
 
-    def _take(self) -> int | None:
-        while not self._free and self._retained:
+    def _take(self, prefer: int | None = None) -> int | None:
+        while not self._n_free and self._retained:
             self._release(self._retained.popitem(last=False)[1].blocks)
-        if not self._free:
+        if not self._n_free:
             return None
-        b = self._free.pop()
+        if prefer is not None and prefer < self.num_blocks and self._is_free[prefer]:
+            b = prefer
+        else:
+            b = self._middle_of_largest_free_run()
+        self._is_free[b] = False
+        self._n_free -= 1
         self._refs[b] = 1
-        self.highest = max(self.highest, b)
+        self.taken.append(b)
         self.peak_used = max(self.peak_used, self.used)
         return b
+
+    def _middle_of_largest_free_run(self) -> int:
+        edges = np.diff(np.concatenate([[0], self._is_free.view(np.int8), [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        i = int(np.argmax(ends - starts))
+        start, end = int(starts[i]), int(ends[i])
+        # A run at the pool's start is taken from its start: nothing before it can grow into it.
+        return start if start == 0 else (start + end) // 2
 
     def _release(self, blocks: list[int]) -> None:
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._is_free[b] = True
+                self._n_free += 1

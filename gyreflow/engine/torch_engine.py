@@ -42,6 +42,11 @@ from gyreflow.engine.kvcache import BlockAllocator, KVBlocks
 
 LogitsHook = Callable[[list[str], torch.Tensor], None]
 
+PER_ROW_ATTENTION = 8192
+"""Key floats per row (keys x kv heads x head dim) from which decode attends row by row over
+views of consecutive blocks rather than gathering every row's keys into one batch: past this, a
+gather copies more than a call per row costs."""
+
 
 @dataclass(eq=False)
 class _Request:
@@ -177,6 +182,7 @@ class TorchEngine(WorkSignal):
             s = self.spec
             self._kv = KVBlocks(s.num_layers, s.num_kv_heads, s.head_dim, int(kv_blocks), block, self.device, dtype)
         self._blocks = BlockAllocator(int(kv_blocks), block, self.retain_sessions)
+        self._key_width = self.spec.num_kv_heads * self.spec.head_dim
 
         # _lock guards the queue, the id table, staged weights and finished futures; _step_lock is
         # held for a whole iteration, so whoever holds it sees the engine between iterations.
@@ -430,7 +436,7 @@ class TorchEngine(WorkSignal):
         if not blocks.grow(rid, len(req.seq)):
             blocks.close(rid)
             return False
-        self._kv.initialise(blocks.highest + 1)
+        self._prepare_taken()
         if req.kv_in is not None:
             self._kv.write(blocks.table(rid), req.kv_in)
             req.n_cached, req.kv_in = req.kv_in.shape[3], None
@@ -439,6 +445,11 @@ class TorchEngine(WorkSignal):
             with self._lock:
                 self._counters["reused_tokens"] += reused
         return True
+
+    def _prepare_taken(self) -> None:
+        """Zero the blocks handed out since the last call that were never used before."""
+        taken, self._blocks.taken = self._blocks.taken, []
+        self._kv.prepare(taken)
 
     def _tables(self, rows: list[_Request], n_tokens: int) -> tuple[torch.Tensor, slice | None]:
         """(B, nb) block tables covering ``n_tokens`` positions, short ones padded with their own
@@ -451,6 +462,17 @@ class TorchEngine(WorkSignal):
                 return torch.tensor([t[0] for t in tables], device=self.device)[:, None], slice(first, first + len(rows))
         padded = [t + [t[-1]] * (nb - len(t)) for t in tables]
         return torch.tensor(padded, device=self.device), None  # (B, nb)
+
+    def _spans(self, rows: list[_Request]) -> list[tuple[int, int]]:
+        """(flat offset of the first key, keys) per decode row; offset -1 when its blocks are not
+        one consecutive run."""
+        bs, out = self._blocks.block_size, []
+        for r in rows:
+            n = r.n_cached + 1
+            table = self._blocks.table(r.request_id)[: -(-n // bs)]
+            contiguous = table[-1] - table[0] == len(table) - 1 and all(b - a == 1 for a, b in zip(table, table[1:]))
+            out.append((table[0] * bs if contiguous else -1, n))
+        return out
 
     def _prefill(self) -> int:
         """Feed uncached prompt tokens, whole chunks up to ``prefill_step_tokens``, oldest requests
@@ -529,16 +551,20 @@ class TorchEngine(WorkSignal):
         for r in sorted(rows, key=lambda r: r.priority):
             while r in self._rows and not self._blocks.grow(r.request_id, r.n_cached + 1):
                 self._preempt(self._victim())
-        self._kv.initialise(self._blocks.highest + 1)
+        self._prepare_taken()
         rows = [r for r in self._rows if r.n_cached == len(r.seq) - 1]
         if not rows:
             return 0
         n = len(rows)
         t_keys = max(r.n_cached for r in rows) + 1
         tables, view = self._tables(rows, t_keys)
+        spans = None
+        if view is None and n > 1 and sum(r.n_cached + 1 for r in rows) * self._key_width >= n * PER_ROW_ATTENTION:
+            spans = self._spans(rows)
         tokens = torch.tensor([r.seq[-1] for r in rows], device=self.device).view(n, 1)  # (B, 1)
         starts = torch.tensor([r.n_cached for r in rows], device=self.device)  # (B,)
-        logits = forward(self._weights, self.spec, self._kv, self._rope, tables, tokens, starts, t_keys=t_keys, rows=view)  # (B, V)
+        logits = forward(self._weights, self.spec, self._kv, self._rope, tables, tokens, starts, t_keys=t_keys, rows=view,
+                         spans=spans)  # (B, V)
         for r in rows:
             r.n_cached += 1
         finished = self._sample_and_append(rows, logits)

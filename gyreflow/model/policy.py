@@ -113,3 +113,18 @@ def load_state_dict_numpy(model: torch.nn.Module, weights: dict[str, np.ndarray]
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(torch.from_numpy(np.asarray(weights[k])))
+
+
+LONG_CONTEXT = ModelConfig(
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    max_position_embeddings=131072,
+    rope_type="yarn",  # 4,096 designed positions stretched x32, as long-context checkpoints ship
+    rope_factor=32.0,
+    rope_original_positions=4096,
+)
+"""A policy shape with 128K positions, small enough that a 128K-token prefill takes seconds on one
+CPU core (engine tests and ``gyreflow bench engine``)."""

@@ -1,0 +1,175 @@
+"""``gyreflow bench engine``: the paged KV cache against one slot per request, in one invocation.
+
+Four figures, each a ratio of two arms measured in the same run (rounds interleaved, mean and
+spread over ``repeats``):
+
+kv_memory_ratio
+    Peak KV memory held (blocks in use x bytes per block), paged vs one ``max_seq_len`` slot per
+    request, on the agent workload (native agent loop, concurrent executions, equal ``max_batch``).
+short_context_tokens_per_s_ratio
+    Tokens/s of the same agent workload (short contexts), paged vs slots.
+ttft_chunked_ratio
+    Time to first token of a short request submitted while a long prompt is being prefilled,
+    with the prefill spread over iterations vs done in the iteration that admits it.
+migration_vs_reprefill
+    Per context length: a live request exported, serialised, imported into a second engine and
+    resumed to its next token, vs the same sequence prefilled from scratch there (in-process:
+    no network; ``gyreflow bench migration`` times the move between Dask workers).
+"""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from gyreflow.bench.report import git_revision
+from gyreflow.engine.base import GenerationRequest, SamplingParams
+from gyreflow.engine.runner import EngineRunner
+from gyreflow.engine.torch_engine import TorchEngine
+from gyreflow.model import ModelConfig, build_policy
+from gyreflow.model.policy import LONG_CONTEXT
+
+AGENT_OPTIONS = dict(max_batch=32, retain_sessions=32, max_seq_len=2048)
+"""The agent workload's engine: the context the README's main job gives its engines."""
+
+
+class FirstTokens:
+    """A logits hook recording when each request is first sampled (``time.monotonic``)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, request_ids, logits) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid in request_ids:
+                self.at.setdefault(rid, now)
+
+
+def _spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def agent_round(model, paged: bool, executions: int, seed: int) -> dict:
+    """The agent workload on one engine: seconds, tokens/s, peak KV bytes."""
+    from gyreflow.agents.loop import AgentConfig, run_agent
+    from gyreflow.agents.tasks import make_tasks
+
+    engine = TorchEngine(model, kv_block_size=64 if paged else None, **AGENT_OPTIONS)
+    tasks = make_tasks("heldout", executions, horizon=4, spare_calls=4)
+    cfg = AgentConfig(temperature=1.0, max_tokens_per_call=8)
+    t0 = time.perf_counter()
+    with EngineRunner(engine, idle_timeout=0.05) as runner, ThreadPoolExecutor(AGENT_OPTIONS["max_batch"]) as pool:
+        futures = [pool.submit(run_agent, task, lambda r: runner.submit(r).result(), cfg, f"e{i:04d}", seed=seed)
+                   for i, task in enumerate(tasks)]
+        results = [f.result() for f in futures]
+    elapsed = time.perf_counter() - t0
+    failed = [r for r in results if r.end_reason == "infra_failure"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} executions failed on the engine: {failed[0]}")
+    s = engine.stats()
+    return {"seconds": elapsed, "tokens_per_s": s["tokens_generated"] / elapsed,
+            "peak_kv_bytes": s["kv_peak_blocks"] * s["kv_bytes_per_block"], "tokens": s["tokens_generated"]}
+
+
+def ttft_round(model, chunked: bool, long_tokens: int) -> float:
+    """Seconds from submitting a short request, while a long prompt prefills, to its first token."""
+    hook = FirstTokens()
+    engine = TorchEngine(model, max_batch=4, max_seq_len=long_tokens + 64, logits_hook=hook,
+                         prefill_step_tokens=2048 if chunked else None)
+    rng = np.random.default_rng(0)
+    with EngineRunner(engine, idle_timeout=0.05) as runner:
+        long = runner.submit(GenerationRequest("long", rng.integers(0, 256, long_tokens).astype(np.int32),
+                                               SamplingParams(max_tokens=1, seed=1)))
+        time.sleep(0.2)  # the long prompt's prefill is under way
+        t0 = time.monotonic()
+        short = runner.submit(GenerationRequest("short", rng.integers(0, 256, 16).astype(np.int32),
+                                                SamplingParams(max_tokens=2, seed=2)))
+        short.result()
+        long.result()
+    return hook.at["short"] - t0
+
+
+def migration_round(model, context: int) -> tuple[float, float]:
+    """(migration, re-prefill) seconds for a live request with ``context`` tokens of KV."""
+    rng = np.random.default_rng(context)
+    ids = rng.integers(0, 256, context - 4).astype(np.int32)
+    hook = FirstTokens()
+    src = TorchEngine(model, max_batch=2, max_seq_len=context + 64)
+    dst = TorchEngine(model, max_batch=2, max_seq_len=context + 64, logits_hook=hook)
+    src.submit(GenerationRequest("m", ids, SamplingParams(max_tokens=32, seed=3)))
+    while src.stats()["tokens_generated"] < 4:
+        src.step()
+    t0 = time.monotonic()
+    state = pickle.loads(pickle.dumps(src.export_request("m")))  # what the wire carries
+    fut = dst.import_request(state)
+    while "m" not in hook.at:
+        dst.step()
+    migration = hook.at["m"] - t0
+    seq = np.concatenate([state.prompt_ids, state.completion_ids]).astype(np.int32)
+    t0 = time.monotonic()
+    dst.submit(GenerationRequest("r", seq, SamplingParams(max_tokens=1, seed=3)))
+    while "r" not in hook.at:
+        dst.step()
+    reprefill = hook.at["r"] - t0
+    dst.drain()
+    fut.result()
+    return migration, reprefill
+
+
+def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 100_000,
+                     contexts: tuple[int, ...] = (8192, 32768, 65536), log=print) -> dict:
+    """Every arm ``repeats`` times, interleaved; figures as ``gyreflow bench engine --json`` writes them."""
+    policy = build_policy(ModelConfig(), seed=0)
+    long_policy = build_policy(LONG_CONTEXT, seed=0)
+    agent_round(policy, True, 8, seed=99)  # warm-up: lazy imports, allocator
+    rounds: dict[str, list] = {"paged": [], "slots": [], "ttft_chunked": [], "ttft_unchunked": [],
+                               **{f"migration_{c}": [] for c in contexts}}
+    for rep in range(repeats):
+        log(f"round {rep + 1}/{repeats}")
+        for arm, paged in (("slots", False), ("paged", True)) if rep % 2 else (("paged", True), ("slots", False)):
+            r = agent_round(policy, paged, executions, seed=rep)
+            rounds[arm].append(r)
+            log(f"  agent workload, {arm}: {r['tokens_per_s']:,.0f} tokens/s, peak KV {r['peak_kv_bytes'] / 2**20:,.1f} MiB")
+        for chunked in (True, False):
+            s = ttft_round(long_policy, chunked, long_tokens)
+            rounds["ttft_chunked" if chunked else "ttft_unchunked"].append(s)
+            log(f"  first token beside a {long_tokens:,}-token prefill, {'chunked' if chunked else 'unchunked'}: {s:.3f} s")
+        for c in contexts:
+            m, p = migration_round(long_policy, c)
+            rounds[f"migration_{c}"].append((m, p))
+            log(f"  context {c:,}: migration {m:.3f} s, re-prefill {p:.3f} s")
+    memory = [p["peak_kv_bytes"] / s["peak_kv_bytes"] for p, s in zip(rounds["paged"], rounds["slots"])]
+    speed = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(rounds["paged"], rounds["slots"])]
+    ttft = [c / u for c, u in zip(rounds["ttft_chunked"], rounds["ttft_unchunked"])]
+    migration = {str(c): _spread([m / p for m, p in rounds[f"migration_{c}"]]) for c in contexts}
+    return {
+        "git": git_revision(),
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "options": {"agent": {**AGENT_OPTIONS, "executions": executions, "paged_block": 64},
+                    "long_tokens": long_tokens, "long_policy": LONG_CONTEXT.asdict()},
+        "kv_memory_ratio": _spread(memory),
+        "short_context_tokens_per_s_ratio": _spread(speed),
+        "ttft_chunked_ratio": _spread(ttft),
+        "migration_vs_reprefill": {c: v["mean"] for c, v in migration.items()},
+        "migration_vs_reprefill_spread": migration,
+        "rounds": {k: v for k, v in rounds.items()},
+    }
+
+
+def format_engine(out: dict) -> str:
+    lines = [f"engine bench: {out['repeats']} round(s), git {out['git']}"]
+    for key in ("kv_memory_ratio", "short_context_tokens_per_s_ratio", "ttft_chunked_ratio"):
+        v = out[key]
+        lines.append(f"{key}: {v['mean']:.3f}x (min {v['min']:.3f}, max {v['max']:.3f})")
+    for c, v in out["migration_vs_reprefill_spread"].items():
+        lines.append(f"migration_vs_reprefill[{c}]: {v['mean']:.3f}x (min {v['min']:.3f}, max {v['max']:.3f})")
+    return "\n".join(lines)
