@@ -35,8 +35,12 @@ from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.model import ModelConfig, build_policy
 from gyreflow.model.policy import LONG_CONTEXT
 
-AGENT_OPTIONS = dict(max_batch=32, retain_sessions=32, max_seq_len=2048)
-"""The agent workload's engine: the context the README's main job gives its engines."""
+def agent_options() -> dict:
+    """The engine the README's main job gives its rollout cells (batch, context, retained sessions)."""
+    from gyreflow.config import RunConfig
+    from gyreflow.recipes.common import engine_options
+
+    return engine_options(RunConfig())
 
 
 class FirstTokens:
@@ -62,11 +66,12 @@ def agent_round(model, paged: bool, executions: int, seed: int) -> dict:
     from gyreflow.agents.loop import AgentConfig, run_agent
     from gyreflow.agents.tasks import make_tasks
 
-    engine = TorchEngine(model, kv_block_size=64 if paged else None, **AGENT_OPTIONS)
+    options = agent_options()
+    engine = TorchEngine(model, kv_block_size=64 if paged else None, **options)
     tasks = make_tasks("heldout", executions, horizon=4, spare_calls=4)
-    cfg = AgentConfig(temperature=1.0, max_tokens_per_call=8)
+    cfg = AgentConfig(temperature=1.0)
     t0 = time.perf_counter()
-    with EngineRunner(engine, idle_timeout=0.05) as runner, ThreadPoolExecutor(AGENT_OPTIONS["max_batch"]) as pool:
+    with EngineRunner(engine, idle_timeout=0.05) as runner, ThreadPoolExecutor(options["max_batch"]) as pool:
         futures = [pool.submit(run_agent, task, lambda r: runner.submit(r).result(), cfg, f"e{i:04d}", seed=seed)
                    for i, task in enumerate(tasks)]
         results = [f.result() for f in futures]
@@ -88,7 +93,8 @@ def ttft_round(model, chunked: bool, long_tokens: int) -> float:
     with EngineRunner(engine, idle_timeout=0.05) as runner:
         long = runner.submit(GenerationRequest("long", rng.integers(0, 256, long_tokens).astype(np.int32),
                                                SamplingParams(max_tokens=1, seed=1)))
-        time.sleep(0.2)  # the long prompt's prefill is under way
+        while engine.stats()["live"] == 0:  # the long prompt is admitted: its prefill is under way
+            time.sleep(0.001)
         t0 = time.monotonic()
         short = runner.submit(GenerationRequest("short", rng.integers(0, 256, 16).astype(np.int32),
                                                 SamplingParams(max_tokens=2, seed=2)))
@@ -154,7 +160,7 @@ def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 
         "git": git_revision(),
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
-        "options": {"agent": {**AGENT_OPTIONS, "executions": executions, "paged_block": 64},
+        "options": {"agent": {**agent_options(), "executions": executions, "paged_block": 64},
                     "long_tokens": long_tokens, "long_policy": LONG_CONTEXT.asdict()},
         "kv_memory_ratio": _spread(memory),
         "short_context_tokens_per_s_ratio": _spread(speed),

@@ -120,9 +120,13 @@ class BlockAllocator:
         Pool size and positions per block.
     retain_sessions
         Most finished sessions whose KV is kept for reuse (0: none).
+    share_last_block
+        Whether a request continuing a whole retained history shares its last block (else it
+        is copied, as a cache of one slot per request did).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, retain_sessions: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, retain_sessions: int, share_last_block: bool = True) -> None:
+        self.share_last_block = bool(share_last_block)
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.retain_sessions = int(retain_sessions)
@@ -214,7 +218,7 @@ class BlockAllocator:
         for b in entry.blocks[:full]:
             self._refs[b] += 1
             table.append(b)
-        if partial and reuse == len(entry.tokens) and not entry.extended:
+        if partial and self.share_last_block and reuse == len(entry.tokens) and not entry.extended:
             entry.extended = True  # this request writes past the history in the shared block
             self._refs[entry.blocks[full]] += 1
             table.append(entry.blocks[full])

@@ -104,7 +104,8 @@ class TorchEngine(WorkSignal):
         ``max(1, max_batch // 4)``.
     kv_block_size
         Positions per KV block. ``None`` gives every request one block of ``max_seq_len``
-        positions (a fixed slot per request, the layout before paging; for comparisons).
+        positions, a reused prefix copied into it: the slot cache before paging, kept as a
+        baseline for comparisons.
     kv_blocks
         Blocks in the pool. Defaults to room for ``max_batch + retain_sessions`` sequences of
         ``min(max_seq_len, 4096)`` tokens (and at least one of ``max_seq_len``); with one block
@@ -181,7 +182,9 @@ class TorchEngine(WorkSignal):
             self._rope = rope_tables(self.spec, self.max_seq_len, self.device)
             s = self.spec
             self._kv = KVBlocks(s.num_layers, s.num_kv_heads, s.head_dim, int(kv_blocks), block, self.device, dtype)
-        self._blocks = BlockAllocator(int(kv_blocks), block, self.retain_sessions)
+        # One slot per request is the layout before paging, kept as it was (a reused prefix is
+        # copied into the request's own slot) so that it can serve as the baseline.
+        self._blocks = BlockAllocator(int(kv_blocks), block, self.retain_sessions, share_last_block=kv_block_size is not None)
         self._key_width = self.spec.num_kv_heads * self.spec.head_dim
 
         # _lock guards the queue, the id table, staged weights and finished futures; _step_lock is
