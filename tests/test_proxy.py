@@ -423,6 +423,9 @@ def test_oversized_body(proxy, engine):
     ex = Exec(proxy, engine)
     code, _, out = ex.post("/chat/completions", {"model": MODEL, "messages": user("x" * (1 << 17))})
     assert code == 413 and out["error"]["code"] == "request_too_large"
+    # Far past any buffer: 100 MiB, 1,600 times the limit, still gets the 413 (not a cut connection).
+    code, _, out = ex.post("/chat/completions", {"model": MODEL, "messages": user("x" * (100 << 20))})
+    assert code == 413 and out["error"]["code"] == "request_too_large"
     assert not ex.records and not ex.journal.served
     assert ex.client().chat.completions.create(model=MODEL, messages=user(), max_tokens=4).choices
 
