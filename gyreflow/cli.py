@@ -222,8 +222,10 @@ def _mark_interrupted(run_dir: Path) -> None:
               help="Completion length when a request names none (and the most it may name).")
 @click.option("--time-limit", type=click.FloatRange(min=1.0), default=24 * 3600.0, show_default=True,
               help="Seconds a session may live.")
+@click.option("--max-context", type=click.IntRange(2), default=None,
+              help="Longest prompt + completion the engine takes (default: the model's positions).")
 def serve(checkpoint, out, host, port, sessions, model_name, max_calls, token_budget, max_tokens_per_call,
-          time_limit) -> None:
+          time_limit, max_context) -> None:
     """Serve a checkpoint through the OpenAI-compatible proxy; record each session as an execution.
 
     Stop with Ctrl-C: open sessions are written and the archive is committed.
@@ -242,14 +244,15 @@ def serve(checkpoint, out, host, port, sessions, model_name, max_calls, token_bu
     try:
         budget = Budget(max_calls=max_calls, token_budget=token_budget, max_tokens_per_call=max_tokens_per_call,
                         time_limit_s=time_limit)
-        server = Serve(checkpoint, run_dir, host=host, port=port, model_name=model_name, budget=budget)
+        server = Serve(checkpoint, run_dir, host=host, port=port, model_name=model_name, budget=budget,
+                       max_context=max_context)
     except (ValueError, OSError) as err:  # not a checkpoint, a port in use, an address not here
         console.print(f"[red]error:[/red] {err}")
         sys.exit(2)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    console.print(f"gyreflow serve: model {model_name!r} at {server.proxy.url}")
+    console.print(f"gyreflow serve: model {model_name!r}, context {server.max_context:,} tokens, at {server.proxy.url}")
     console.print(f"admin key: {server.admin_key}  (POST/DELETE {server.proxy.url}/gyreflow/sessions)")
     for _ in range(sessions):
         s = server.open_session()

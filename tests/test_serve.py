@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from gyreflow.model import build_policy, save_policy
+from gyreflow.model.policy import LONG_CONTEXT
 from gyreflow.storage import ArchiveReader
 from proxy_support import SMALL
 
@@ -109,4 +110,34 @@ def test_serve_on_a_busy_port_leaves_nothing_behind(checkpoint, tmp_path):
                               "--out", str(tmp_path / "run"), "--port", str(port)],
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "error" in out.stdout
+    assert not (tmp_path / "run" / "archive.zarr").exists()
+
+
+def test_serve_takes_a_long_first_prompt_with_tools(tmp_path):
+    """Engines are sized from the model's positions: a first prompt of 9K tokens with tool
+    schemas (what agent frameworks send) is served, not refused."""
+    ckpt = save_policy(build_policy(LONG_CONTEXT, seed=1), tmp_path / "long")
+    proc, banner = start(ckpt, tmp_path / "run", "--max-tokens-per-call", "8")
+    try:
+        assert "context 131,072 tokens" in banner
+        _, url, key = re.findall(r"session (\S+): OPENAI_BASE_URL=(\S+) OPENAI_API_KEY=(\S+)", banner)[0]
+        tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "d" * 200,
+                                                   "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+                 for i in range(8)]
+        system = "You are an agent. " + "Follow the rules. " * 400
+        reply = openai.OpenAI(base_url=url, api_key=key, max_retries=0).chat.completions.create(
+            model="gyreflow-policy", messages=[{"role": "system", "content": system}, {"role": "user", "content": "go"}],
+            tools=tools, max_tokens=8)
+        assert reply.usage.prompt_tokens > 9000 and reply.choices
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+
+
+def test_serve_refuses_a_context_beyond_the_model(checkpoint, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gyreflow.cli", "serve", "--checkpoint", str(checkpoint),
+                          "--out", str(tmp_path / "run"), "--max-context", str(SMALL.max_position_embeddings + 1)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--max-context" in out.stdout and "positions" in out.stdout
     assert not (tmp_path / "run" / "archive.zarr").exists()

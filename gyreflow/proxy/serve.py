@@ -69,11 +69,13 @@ class Serve:
         Where the archive goes (``out_dir/archive.zarr``); must not hold one already.
     budget
         Each session's budget.
+    max_context
+        Longest prompt + completion the engine takes; the model's positions by default.
     """
 
     def __init__(self, checkpoint: str | Path, out_dir: str | Path, *, host: str = LOOPBACK, port: int = 0,
                  model_name: str = "gyreflow-policy", budget: Budget | None = None, max_batch: int = 32,
-                 seed: int = 0) -> None:
+                 seed: int = 0, max_context: int | None = None) -> None:
         from gyreflow.engine.runner import EngineRunner
         from gyreflow.engine.torch_engine import TorchEngine
         from gyreflow.model import load_tokenizer
@@ -94,7 +96,12 @@ class Serve:
                                  extra_handlers=[(r"/gyreflow/sessions", _Admin, {"serve": self}),
                                                  (r"/gyreflow/sessions/([^/]+)", _Admin, {"serve": self})])
         try:
-            self.runner = EngineRunner(TorchEngine.from_checkpoint(checkpoint, max_batch=max_batch)).start()
+            try:
+                engine = TorchEngine.from_checkpoint(checkpoint, max_batch=max_batch, max_seq_len=max_context)
+            except ValueError as err:
+                raise ValueError(f"--max-context {max_context}: {err}") from None
+            self.max_context = engine.max_seq_len
+            self.runner = EngineRunner(engine).start()
             self.backend = EngineBackend(self.runner)
             create_archive(self.archive, run_meta={"pipeline": "serve", "checkpoint": str(checkpoint.resolve()),
                                                    "model_name": model_name})
