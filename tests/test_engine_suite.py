@@ -444,6 +444,19 @@ class EngineTests:
             self.make_engine(model, max_seq_len=TINY.max_position_embeddings + 1)
         assert run_all(engine, [running])[0].finish_reason == "length"
 
+    def test_tokens_stream_as_they_are_sampled(self, model):
+        streamed: list[tuple[int, float]] = []
+        r = req("stream", 9, 180, temperature=1.0, max_tokens=40)
+        r.on_token = lambda tok, lp: streamed.append((tok, lp))
+        engine = self.make_engine(model)
+        fut = engine.submit(r)
+        for _ in range(3):
+            engine.step()
+        assert 1 <= len(streamed) < 40 and not fut.done()  # tokens arrive before the request ends
+        result = run_all(engine, [fut])[0]
+        assert [t for t, _ in streamed] == result.completion_ids.tolist()
+        np.testing.assert_array_equal(np.asarray([lp for _, lp in streamed], np.float32), result.logprobs)
+
     # 9. serving from threads
 
     def test_runner_serves_threads(self, model):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class GenerationRequest:
     """Admission order when requests wait for a batch slot: lower first, ties in arrival order.
     The router passes its execution's start time, so an older execution's call (likely one of the
     long tail a step waits for) never queues behind a younger execution's."""
+    on_token: Callable[[int, float], None] | None = field(default=None, repr=False, compare=False)
+    """Called with (token id, log-prob) as each token is sampled, on the engine's thread (keep it
+    short). It stays in the process that submitted the request: the wire format and an exported
+    request's state leave it out."""
 
 
 class WorkSignal:

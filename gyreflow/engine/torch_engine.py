@@ -70,6 +70,7 @@ class _Request:
     kv_in: np.ndarray | None = None
     """KV brought by ``import_request`` (or kept by a preemption), written into blocks on admission."""
     priority: float = 0.0
+    on_token: Callable[[int, float], None] | None = None
 
     @property
     def n_prompt(self) -> int:
@@ -225,7 +226,7 @@ class TorchEngine(WorkSignal):
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         req = _Request(request.request_id, prompt, params, request.session, Future(), gen, seq=prompt.tolist(),
-                       priority=float(request.priority))
+                       priority=float(request.priority), on_token=request.on_token)
         self._enqueue(req, front=False)
         return req.future
 
@@ -611,6 +612,8 @@ class TorchEngine(WorkSignal):
             r.seq.append(tok)
             r.logprobs.append(lp)
             r.versions.append(version)
+            if r.on_token is not None:
+                r.on_token(tok, lp)
             reason = self._finish_reason(r, tok)
             if reason is not None:
                 finished.append((r, reason))
