@@ -164,6 +164,24 @@ def test_chat_stream_with_usage(proxy, engine, tok):
     assert_recorded_exactly(ex)
 
 
+def test_stream_carries_tokens_as_they_are_sampled(proxy, engine, tok):
+    """A 500-token generation streams its text while it runs: the first piece arrives long before
+    the last, and the pieces make up exactly the recorded completion."""
+    ex = Exec(proxy, engine)
+    t0 = time.monotonic()
+    arrivals, pieces = [], []
+    for ch in ex.client().chat.completions.create(model=MODEL, messages=user(), max_tokens=500, temperature=1.0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+        if ch.choices and ch.choices[0].delta.content:
+            arrivals.append(time.monotonic() - t0)
+            pieces.append(ch.choices[0].delta.content)
+    rec = ex.records[0]
+    assert len(rec.completion_ids) == 500
+    assert "".join(pieces) == tok.decode(rec.completion_ids, skip_special_tokens=True)
+    assert len(pieces) > 50 and arrivals[0] < 0.25 * arrivals[-1]
+    assert_recorded_exactly(ex)
+
+
 def test_tool_calls_and_history_restored_token_exact(proxy, engine):
     """The model calls a tool; the agent sends the call back re-formatted; the next prompt holds
     the ids the model really sampled, so the two calls share one path in the trajectory tree."""

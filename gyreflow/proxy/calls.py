@@ -122,12 +122,16 @@ def sampling_params(spec: CallSpec, max_tokens: int, eos_id: int, seed: int, exe
     where = execution_id if spec.seed is None else f"{execution_id}#{spec.seed}"
     temperature, top_p = (pin or SamplingPin()).apply(spec.temperature, spec.top_p)
     return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=spec.stop,
-                          stop_token_ids=(eos_id,), seed=call_seed(seed, where, index))
+                          stop_token_ids=() if spec.ignore_eos else (eos_id,), seed=call_seed(seed, where, index))
 
 
 async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard, *, retry: bool = False,
-                     role: str | None = None, prepared: Prepared | None = None) -> Reply:
+                     role: str | None = None, prepared: Prepared | None = None, started=None,
+                     on_token=None) -> Reply:
     """The reply to one request: a retry's earlier reply, or a new engine call.
+
+    ``started(reply)`` is called once a new call's reply exists (its id known) and ``on_token``
+    goes to the engine with the request (see :class:`~gyreflow.proxy.streaming.TokenStream`).
 
     Raises
     ------
@@ -143,9 +147,11 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
     eid = session.execution_id
     max_tokens = session.max_tokens(spec.max_tokens)
     params = sampling_params(spec, max_tokens, card.renderer.eos_id, session.seed, eid, index, session.pin)
-    reply = Reply(key, asyncio.get_running_loop().create_future(), call_index=index, role=role or session.role,
-                  prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time(),
+    reply = Reply(key, asyncio.get_running_loop().create_future(), call_index=index, request_id=f"{eid}/{index}",
+                  role=role or session.role, prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time(),
                   temperature=params.temperature, top_p=params.top_p)
+    if started is not None:
+        started(reply)
     reply.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # a lone failure is not "never retrieved"
     session.calls_started += 1
     session.calls_charged += 1
@@ -153,7 +159,8 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
     session.tokens_reserved += max_tokens
     session.remember(reply)
     try:
-        result = await session.generate(GenerationRequest(f"{eid}/{index}", prepared.prompt, params, session=eid))
+        result = await session.generate(GenerationRequest(reply.request_id, prepared.prompt, params, session=eid,
+                                                          on_token=on_token))
     except BaseException as err:
         # Whatever happened, a retry waiting on this call must hear of it, and may try again.
         session.replies.pop(key, None)

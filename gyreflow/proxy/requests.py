@@ -48,6 +48,8 @@ class CallSpec:
     include_usage: bool = False
     logprobs: bool = False
     return_token_ids: bool = False
+    ignore_eos: bool = False
+    """vLLM's extension: sample past the end-of-turn token, up to ``max_tokens``."""
     previous_response_id: str | None = None
     instructions: str | None = None
     """Responses API: the system message of this call only (never carried to the next response)."""
@@ -108,6 +110,7 @@ def _common(spec: CallSpec, body: dict) -> CallSpec:
     opts = _typed(body, "stream_options", dict, "an object", {})
     spec.include_usage = _typed(opts, "include_usage", bool, "a boolean", False)
     spec.return_token_ids = _typed(body, "return_token_ids", bool, "a boolean", False)
+    spec.ignore_eos = _typed(body, "ignore_eos", bool, "a boolean", False)
     n = _typed(body, "n", int, "an integer", 1)
     if n != 1:
         raise bad_request("only 'n' = 1 is supported: send one request per sample", param="n")

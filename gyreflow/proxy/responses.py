@@ -1,7 +1,8 @@
 """Replies as OpenAI response objects, and as server-sent events when streamed.
 
-Streams are produced from a finished completion (the engines answer whole calls), in the event
-order the official SDK's stream parsers expect.
+Streams follow the event order the official SDK's stream parsers expect. Text may be streamed
+while the call runs (:func:`text_delta`, see :mod:`gyreflow.proxy.streaming`); the rest of a
+stream is produced from the finished reply.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _ids(reply: Reply) -> dict:
 
 def _reply_id(reply: Reply, prefix: str) -> str:
     # Derived from the engine request id, so a retry that gets the same reply sees the same id.
-    return prefix + reply.result.request_id.replace("/", "-")
+    return prefix + (reply.request_id or reply.result.request_id).replace("/", "-")
 
 
 # -- chat completions ---------------------------------------------------------------------------
@@ -82,6 +83,20 @@ def chat_chunks(reply: Reply, spec: CallSpec, card: ModelCard) -> Iterator[dict]
     yield last
     if spec.include_usage:
         yield base | {"choices": [], "usage": _usage(reply)}
+
+
+def text_delta(endpoint: str, reply: Reply, card: ModelCard, text: str) -> dict:
+    """One piece of text of a call still running, as a chunk of ``endpoint``'s stream."""
+    if endpoint == "chat":
+        return {"id": _reply_id(reply, "chatcmpl-"), "object": "chat.completion.chunk", "created": reply.created,
+                "model": card.name, "system_fingerprint": None,
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None, "logprobs": None}]}
+    return {"id": _reply_id(reply, "cmpl-"), "object": "text_completion", "created": reply.created, "model": card.name,
+            "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]}
+
+
+LIVE_ENDPOINTS = ("chat", "completions")
+"""Endpoints whose text is streamed as it is sampled (when the call has no tools to parse)."""
 
 
 # -- completions --------------------------------------------------------------------------------

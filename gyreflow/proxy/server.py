@@ -9,6 +9,8 @@ Routes (each also under ``/s/<execution>/``, a base URL that names the session):
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hashlib
 import json
 import logging
@@ -20,8 +22,9 @@ from tornado.iostream import StreamClosedError
 from gyreflow.proxy.calls import ModelCard, call_role, prepare_call, serve_call
 from gyreflow.proxy.errors import ApiError, bad_request
 from gyreflow.proxy.requests import PARSERS
-from gyreflow.proxy.responses import BUILDERS, sse
-from gyreflow.proxy.sessions import Session, SessionRegistry
+from gyreflow.proxy.responses import BUILDERS, LIVE_ENDPOINTS, sse, text_delta
+from gyreflow.proxy.sessions import Reply, Session, SessionRegistry
+from gyreflow.proxy.streaming import TokenStream
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +166,30 @@ class Generate(_Handler):
         self.set_header("Content-Type", "text/event-stream")
         self.set_header("Cache-Control", "no-cache")
         await self.flush()
+        live = self.endpoint in LIVE_ENDPOINTS and not (spec.tools and spec.tool_choice != "none")
+        stream = TokenStream(asyncio.get_running_loop(), self.proxy.card.renderer.decode,
+                             hold=max((len(s) for s in spec.stop), default=0)) if live else None
+        started: list[Reply] = []
+        call = asyncio.ensure_future(serve_call(session, spec, key, self.proxy.card, retry=retry, role=role,
+                                                prepared=prepared, started=started.append,
+                                                on_token=stream.push if stream else None))
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # the client may be gone by then
+        opened = False  # whether the chat stream's first (role) chunk went out
+        while stream is not None:
+            token = asyncio.ensure_future(stream.queue.get())
+            await asyncio.wait({token, call}, return_when=asyncio.FIRST_COMPLETED)
+            if not token.done():
+                token.cancel()
+                break
+            text = stream.delta(token.result())
+            if text and started:
+                if self.endpoint == "chat" and not opened:
+                    self.write(sse(next(events(started[0], spec, self.proxy.card))))  # the role chunk
+                    opened = True
+                self.write(sse(text_delta(self.endpoint, started[0], self.proxy.card, text)))
+                await self.flush()
         try:
-            reply = await serve_call(session, spec, key, self.proxy.card, retry=retry, role=role, prepared=prepared)
+            reply = await call
         except Exception as err:
             if not isinstance(err, ApiError):
                 log.exception("gyreflow proxy: %s failed", self.request.path)
@@ -173,8 +198,14 @@ class Generate(_Handler):
             self.write(sse(out.body(), "error" if self.endpoint == "responses" else None))
             self.finish()
             return
+        if stream is not None and stream.sent:
+            # The rest of the stream, from the reply less the text already sent.
+            reply_view = copy.copy(reply)
+            reply_view.content = stream.rest(reply.content)
+            payloads = list(events(reply_view, spec, self.proxy.card))[1 if opened else 0:]
+        else:
+            payloads = list(events(reply, spec, self.proxy.card))
         named = self.endpoint == "responses"
-        payloads = list(events(reply, spec, self.proxy.card))
         for payload in payloads[:-1]:
             self.write(sse(payload, payload["type"] if named else None))
         await self.flush()

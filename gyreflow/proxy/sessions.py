@@ -81,6 +81,8 @@ class Reply:
     done: asyncio.Future
     """Resolves (to this reply) when the engine's result is in, or with the call's error."""
     call_index: int = -1
+    request_id: str = ""
+    """The engine request's id (the reply's id is derived from it)."""
     result: GenerationResult | None = None
     prompt_ids: np.ndarray | None = None
     turn_ids: np.ndarray | None = None
