@@ -457,7 +457,49 @@ class EngineTests:
         assert [t for t, _ in streamed] == result.completion_ids.tolist()
         np.testing.assert_array_equal(np.asarray([lp for _, lp in streamed], np.float32), result.logprobs)
 
-    # 9. serving from threads
+    # 9. constrained decoding
+
+    def test_constraint_holds_from_an_untrained_policy(self, model):
+        import json as _json
+
+        template = _json.dumps([{"choice": ['go", "arguments": ', 'open", "arguments": ']}, {"json_object": True},
+                                {"literal": "}</tool_call>"}, {"end": 257}])
+        engine = self.make_engine(model)
+        requests = [GenerationRequest(f"c{i}", prompt(12, 190 + i), SamplingParams(
+            temperature=1.0 + 0.1 * (i % 4), max_tokens=34 + 6 * i, seed=i, stop_token_ids=(257,), constraint=template))
+            for i in range(12)]
+        for req_, r in zip(requests, generate(engine, requests)):
+            assert r.finish_reason == "stop" and r.completion_ids[-1] == 257
+            text = bytes(r.completion_ids[:-1].tolist()).decode()
+            assert text.endswith("}</tool_call>")
+            call = _json.loads('{"name": "' + text[: -len("</tool_call>")])
+            assert call["name"] in {"go", "open"} and isinstance(call["arguments"], dict)
+            # The behaviour log-probs are those of the masked distribution: never below the
+            # unconstrained ones (masking only removes mass from other tokens).
+            free = hf_logprobs(model, r, req_.params.temperature)
+            assert (r.logprobs <= 1e-6).all() and (r.logprobs >= free - 1e-4).all()
+
+    def test_constrained_request_moves_exactly(self, model):
+        import json as _json
+
+        template = _json.dumps([{"json_object": True}, {"end": 257}])
+        target = GenerationRequest("cm", prompt(9, 200), SamplingParams(temperature=1.2, max_tokens=60, seed=5,
+                                                                        stop_token_ids=(257,), constraint=template))
+        reference = generate(self.make_engine(model), [target])[0]
+        src = self.make_engine(model)
+        src.submit(target)
+        for _ in range(6):
+            src.step()
+        state = pickle.loads(pickle.dumps(src.export_request("cm")))
+        assert 0 < len(state.completion_ids) < len(reference.completion_ids)
+        dst = self.make_engine(model)
+        assert_same(reference, run_all(dst, [dst.import_request(state)])[0])
+        with pytest.raises(ValueError, match="constraint"):
+            dst.submit(GenerationRequest("bad", prompt(3, 1), SamplingParams(constraint="[{\"nope\": 1}]")))
+        with pytest.raises(ValueError, match="cannot hold"):
+            dst.submit(GenerationRequest("short", prompt(3, 1), SamplingParams(max_tokens=2, constraint=template)))
+
+    # 10. serving from threads
 
     def test_runner_serves_threads(self, model):
         requests = [[req(f"w{t}-{i}", 3 + 2 * i + t, 100 * t + i, max_tokens=4 + i % 5) for i in range(8)] for t in range(4)]

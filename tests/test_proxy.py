@@ -23,7 +23,8 @@ from gyreflow.proxy.local import ProxyThread
 from gyreflow.proxy.sessions import Budget, SamplingPin
 from gyreflow.trajectory.records import ExecutionResult
 from gyreflow.trajectory.tree import build_tree
-from proxy_support import CALL_TEXT, FINAL_TEXT, TASK, TOOLS, Journal, start_engine, train_tool_model
+from gyreflow.model import build_policy
+from proxy_support import CALL_TEXT, FINAL_TEXT, SMALL, TASK, TOOLS, Journal, start_engine, train_tool_model
 
 MODEL = "gyreflow-policy"
 
@@ -179,6 +180,34 @@ def test_stream_carries_tokens_as_they_are_sampled(proxy, engine, tok):
     assert len(rec.completion_ids) == 500
     assert "".join(pieces) == tok.decode(rec.completion_ids, skip_special_tokens=True)
     assert len(pieces) > 50 and arrivals[0] < 0.25 * arrivals[-1]
+    assert_recorded_exactly(ex)
+
+
+@pytest.fixture(scope="module")
+def untrained_engine(one_torch_thread):
+    runner = start_engine(build_policy(SMALL, seed=3))
+    yield runner
+    runner.stop()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "go"}}])
+def test_forced_tool_calls_always_parse(proxy, untrained_engine, choice):
+    """With tool_choice "required" or a named function, decoding follows the call format: even a
+    policy that never saw a tool call answers every time with a call of an allowed tool."""
+    ex = Exec(proxy, untrained_engine)
+    c = ex.client()
+    names = []
+    for i in range(8):
+        r = c.chat.completions.create(model=MODEL, messages=user(f"task {i}"), tools=TOOLS, tool_choice=choice,
+                                      temperature=1.0, max_tokens=40 + 8 * i)
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name in {"go", "read"} and isinstance(json.loads(call.function.arguments), dict)
+        names.append(call.function.name)
+    if choice != "required":
+        assert set(names) == {"go"}
+    with pytest.raises(openai.BadRequestError):  # too few tokens for any call
+        c.chat.completions.create(model=MODEL, messages=user(), tools=TOOLS, tool_choice=choice, max_tokens=3)
     assert_recorded_exactly(ex)
 
 

@@ -25,6 +25,9 @@ class SamplingParams:
     """Token ids that end the completion (kept as its last token), e.g. ``<|end|>``."""
     seed: int | None = None
     """Seed of this request's own random generator; ``None`` draws one."""
+    constraint: str | None = None
+    """A template the completion must follow, as JSON (:mod:`gyreflow.engine.constraints`);
+    tokens that cannot follow it are masked before sampling."""
 
 
 @dataclass

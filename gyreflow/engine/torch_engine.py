@@ -37,6 +37,7 @@ from gyreflow.engine.base import (
     WorkSignal,
     take_next,
 )
+from gyreflow.engine.constraints import Template
 from gyreflow.engine.forward import MASK_ELEMENTS, ModelSpec, ModelWeights, build_weights, forward, rope_tables, sample_tokens
 from gyreflow.engine.kvcache import BlockAllocator, KVBlocks
 
@@ -71,6 +72,9 @@ class _Request:
     """KV brought by ``import_request`` (or kept by a preemption), written into blocks on admission."""
     priority: float = 0.0
     on_token: Callable[[int, float], None] | None = None
+    template: Template | None = None
+    """The completion's constraint, and where it stands (``template_state``)."""
+    template_state: object = None
 
     @property
     def n_prompt(self) -> int:
@@ -187,6 +191,8 @@ class TorchEngine(WorkSignal):
         # copied into the request's own slot) so that it can serve as the baseline.
         self._blocks = BlockAllocator(int(kv_blocks), block, self.retain_sessions, share_last_block=kv_block_size is not None)
         self._key_width = self.spec.num_kv_heads * self.spec.head_dim
+        self._peak_live_blocks = 0
+        self._live_grew = False
 
         # _lock guards the queue, the id table, staged weights and finished futures; _step_lock is
         # held for a whole iteration, so whoever holds it sees the engine between iterations.
@@ -227,6 +233,9 @@ class TorchEngine(WorkSignal):
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         req = _Request(request.request_id, prompt, params, request.session, Future(), gen, seq=prompt.tolist(),
                        priority=float(request.priority), on_token=request.on_token)
+        if params.constraint is not None:
+            req.template = Template.from_spec(params.constraint)
+            req.template_state = req.template.start()
         self._enqueue(req, front=False)
         return req.future
 
@@ -268,6 +277,9 @@ class TorchEngine(WorkSignal):
             kv_in=kv if n_kv else None,
             priority=IMPORTED_PRIORITY,
         )
+        if state.params.constraint is not None:
+            req.template = Template.from_spec(state.params.constraint)
+            req.template_state = req.template.replay(completion)
         self._enqueue(req, front=True)
         with self._lock:
             self._counters["imported"] += 1
@@ -287,6 +299,15 @@ class TorchEngine(WorkSignal):
             raise ValueError(f"request {request_id!r}: top_p must be in (0, 1]")
         if params.temperature < 0:
             raise ValueError(f"request {request_id!r}: negative temperature")
+        if params.constraint is not None:
+            try:
+                template = Template.from_spec(params.constraint)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"request {request_id!r}: bad constraint: {err}") from None
+            need = template.shortest_rest(template.start())
+            if need > params.max_tokens:
+                raise ValueError(f"request {request_id!r}: max_tokens {params.max_tokens} cannot hold its constraint "
+                                 f"(at least {need} tokens)")
 
     def _enqueue(self, req: _Request, front: bool) -> None:
         with self._work:
@@ -420,13 +441,14 @@ class TorchEngine(WorkSignal):
         while len(self._rows) < self.max_batch:
             with self._lock:
                 if not self._waiting:
-                    return
+                    break
                 req = take_next(self._waiting)
             if not self._place(req):
                 with self._lock:
                     self._waiting.appendleft(req)  # first again among its priority
-                return
+                break
             self._rows.append(req)
+        self._note_live()
 
     def _place(self, req: _Request) -> bool:
         """Give a request blocks for its whole sequence, filled with whatever KV it brings or can
@@ -453,7 +475,16 @@ class TorchEngine(WorkSignal):
     def _prepare_taken(self) -> None:
         """Zero the blocks handed out since the last call that were never used before."""
         taken, self._blocks.taken = self._blocks.taken, []
-        self._kv.prepare(taken)
+        if taken:
+            self._kv.prepare(taken)
+            self._live_grew = True
+
+    def _note_live(self) -> None:
+        """Update the peak of blocks held by live requests (it can only rise when tables grew)."""
+        if self._live_grew:
+            live = len({b for r in self._rows for b in self._blocks.table(r.request_id)})
+            self._peak_live_blocks = max(self._peak_live_blocks, live)
+            self._live_grew = False
 
     def _tables(self, rows: list[_Request], n_tokens: int) -> tuple[torch.Tensor, slice | None]:
         """(B, nb) block tables covering ``n_tokens`` positions, short ones padded with their own
@@ -556,6 +587,7 @@ class TorchEngine(WorkSignal):
             while r in self._rows and not self._blocks.grow(r.request_id, r.n_cached + 1):
                 self._preempt(self._victim())
         self._prepare_taken()
+        self._note_live()
         rows = [r for r in self._rows if r.n_cached == len(r.seq) - 1]
         if not rows:
             return 0
@@ -594,6 +626,9 @@ class TorchEngine(WorkSignal):
 
     def _sample_and_append(self, rows: list[_Request], logits: torch.Tensor) -> list[tuple[_Request, str]]:
         """Sample one token per row and record it; return the rows that finished, with why."""
+        constrained = [i for i, r in enumerate(rows) if r.template_state is not None]
+        if constrained:
+            logits = self._constrain(rows, constrained, logits)
         if self.logits_hook is not None:
             self.logits_hook([r.request_id for r in rows], logits.detach().clone())
         temps = [float(r.params.temperature) for r in rows]
@@ -612,12 +647,27 @@ class TorchEngine(WorkSignal):
             r.seq.append(tok)
             r.logprobs.append(lp)
             r.versions.append(version)
+            if r.template_state is not None:
+                r.template_state = r.template.advance(r.template_state, r.template.token(tok))
             if r.on_token is not None:
                 r.on_token(tok, lp)
             reason = self._finish_reason(r, tok)
             if reason is not None:
                 finished.append((r, reason))
         return finished
+
+    def _constrain(self, rows: list[_Request], constrained: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Mask, in the rows with a constraint, every token that cannot follow it within the
+        tokens the request has left."""
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in constrained:
+            r = rows[i]
+            left = min(r.params.max_tokens - (len(r.seq) - r.n_prompt), self.max_seq_len - len(r.seq))
+            ok = r.template.allowed(r.template_state, left, vocab)
+            if ok.any():  # else nothing can finish it: sample freely
+                logits[i].masked_fill_(~torch.from_numpy(ok).to(logits.device), float("-inf"))
+        return logits
 
     def _finish_reason(self, r: _Request, tok: int) -> str | None:
         p = r.params
@@ -691,6 +741,7 @@ class TorchEngine(WorkSignal):
                 kv_blocks=self._blocks.num_blocks,
                 kv_blocks_used=self._blocks.used,
                 kv_peak_blocks=self._blocks.peak_used,
+                kv_peak_live_blocks=self._peak_live_blocks,
                 kv_bytes_per_block=self._kv.bytes_per_block,
             )
         return out

@@ -115,14 +115,15 @@ async def prepare_call(session: Session, spec: CallSpec, card: ModelCard) -> Pre
 
 
 def sampling_params(spec: CallSpec, max_tokens: int, eos_id: int, seed: int, execution_id: str,
-                    index: int, pin: SamplingPin | None = None) -> SamplingParams:
+                    index: int, pin: SamplingPin | None = None, constraint: str | None = None) -> SamplingParams:
     """How call ``index`` of an execution samples: as the client asks, unless the session pins the
     settings (``pin``). A seed the client pins (harness configs often do) is mixed with the execution's,
     so the executions of a group still sample differently."""
     where = execution_id if spec.seed is None else f"{execution_id}#{spec.seed}"
     temperature, top_p = (pin or SamplingPin()).apply(spec.temperature, spec.top_p)
     return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=spec.stop,
-                          stop_token_ids=() if spec.ignore_eos else (eos_id,), seed=call_seed(seed, where, index))
+                          stop_token_ids=() if spec.ignore_eos else (eos_id,), seed=call_seed(seed, where, index),
+                          constraint=constraint)
 
 
 async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard, *, retry: bool = False,
@@ -146,7 +147,12 @@ async def serve_call(session: Session, spec: CallSpec, key: str, card: ModelCard
     index = session.calls_started
     eid = session.execution_id
     max_tokens = session.max_tokens(spec.max_tokens)
-    params = sampling_params(spec, max_tokens, card.renderer.eos_id, session.seed, eid, index, session.pin)
+    # A forced tool call (tool_choice "required" or a named function) is decoded under a
+    # template of the parser's call format, so the reply always holds a call of an allowed tool.
+    constraint = (card.parser.constraint(spec.tool_choice, [t["function"]["name"] for t in spec.tools],
+                                         card.renderer.eos_id) if spec.tools else None)
+    params = sampling_params(spec, max_tokens, card.renderer.eos_id, session.seed, eid, index, session.pin,
+                             constraint)
     reply = Reply(key, asyncio.get_running_loop().create_future(), call_index=index, request_id=f"{eid}/{index}",
                   role=role or session.role, prompt_ids=prepared.prompt, created=int(time.time()), t_start=time.time(),
                   temperature=params.temperature, top_p=params.top_p)

@@ -29,6 +29,11 @@ class ToolCallParser(Protocol):
         """Text appended to the generation prompt so that the model must call a tool ('' for none)."""
         ...
 
+    def constraint(self, tool_choice: str | tuple[str, str], tool_names: list[str], end_id: int) -> str | None:
+        """The template (:mod:`gyreflow.engine.constraints`) that makes the completion after
+        :meth:`forced_prefix` one valid call of an allowed tool; ``None`` when no call is forced."""
+        ...
+
 
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the content.
@@ -70,6 +75,14 @@ class HermesParser:
         if not isinstance(args, dict):
             return None
         return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+    def constraint(self, tool_choice: str | tuple[str, str], tool_names: list[str], end_id: int) -> str | None:
+        tail = [{"json_object": True}, {"literal": "}</tool_call>"}, {"end": end_id}]
+        if tool_choice == "required":
+            return json.dumps([{"choice": [json.dumps(n)[1:] + ', "arguments": ' for n in tool_names]}] + tail)
+        if isinstance(tool_choice, tuple):
+            return json.dumps(tail)
+        return None
 
     def forced_prefix(self, tool_choice: str | tuple[str, str]) -> str:
         if tool_choice == "required":
