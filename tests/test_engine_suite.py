@@ -667,15 +667,6 @@ class TestTorchEngineSlots(EngineTests):
         kwargs.setdefault("max_seq_len", 128)
         return self.make_engine(model, kv_blocks=max(1, tokens // kwargs["max_seq_len"]), **kwargs)
 
-    def test_long_prompt_does_not_stall_others(self, long_model):
-        pytest.skip("long contexts are the paged layout's")
-
-    def test_prompt_of_128k_tokens_completes(self, long_model):
-        pytest.skip("long contexts are the paged layout's")
-
-    def test_live_request_of_64k_tokens_migrates_exactly(self, long_model):
-        pytest.skip("long contexts are the paged layout's")
-
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 class TestTorchEngineCuda(TestTorchEngine):
