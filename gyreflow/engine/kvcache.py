@@ -157,9 +157,6 @@ class BlockAllocator:
         """The block table of a live request (a live list: do not modify)."""
         return self._tables[request_id]
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self._tables
-
     # ------------------------------------------------------------------ live tables
 
     def open(self, request_id: str) -> None:
