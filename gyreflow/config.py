@@ -32,6 +32,9 @@ class TaskConfig:
     """Rooms per task (each costs at least two tool calls)."""
     spare_calls: int = 4
     """Tool calls allowed beyond the two per room a perfect agent needs."""
+    reply_padding: int = 0
+    """Characters of inscription every tool reply starts with (long tool outputs; see
+    :mod:`gyreflow.agents.tasks`)."""
     heldout_tasks: int = 200
     """Held-out tasks evaluated after SFT and every ``rl.eval_every`` steps (a suite's held-out
     tasks, at most this many)."""
@@ -48,6 +51,8 @@ class SFTConfig:
     """Demonstrations generated (one per training task)."""
     steps: int = 150
     """Optimizer steps."""
+    horizon: int = 0
+    """Rooms of each demonstration (0: ``task.horizon``): long tasks warm-start on short ones."""
     batch_size: int = 8
     """Sequences per step."""
     lr: float = 2e-3
@@ -214,6 +219,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"with an importance ratio (ppo_clip)")
     _positive("task.horizon", cfg.task.horizon)
     _positive("task.spare_calls", cfg.task.spare_calls, allow_zero=True)
+    _positive("task.reply_padding", cfg.task.reply_padding, allow_zero=True)
+    _positive("sft.horizon", cfg.sft.horizon, allow_zero=True)
     _positive("task.heldout_tasks", cfg.task.heldout_tasks)
     _positive("sft.steps", cfg.sft.steps, allow_zero=True)
     _positive("sft.demos", cfg.sft.demos)
@@ -229,6 +236,11 @@ def validate(cfg: RunConfig) -> RunConfig:
                           "untruncated distribution, so a nucleus-sampled call trains nothing")
     _positive("agent.max_tokens_per_call", cfg.agent.max_tokens_per_call)
     _positive("agent.max_context_tokens", cfg.agent.max_context_tokens)
+    longest = cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call
+    if longest > cfg.model.max_position_embeddings:
+        raise ConfigError(f"agent.max_context_tokens {cfg.agent.max_context_tokens} + agent.max_tokens_per_call "
+                          f"{cfg.agent.max_tokens_per_call} = {longest} exceeds model.max_position_embeddings "
+                          f"{cfg.model.max_position_embeddings}")
     from gyreflow.cluster.modes import PLACEMENTS
 
     if cfg.cluster.placement not in PLACEMENTS:

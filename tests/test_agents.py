@@ -5,7 +5,7 @@ import pytest
 
 from gyreflow.agents.demos import Demonstrator, DemoNoise, demonstrations
 from gyreflow.agents.loop import AgentConfig, run_agent
-from gyreflow.agents.tasks import VaultEnv, make_task, make_tasks, parse_tool_call
+from gyreflow.agents.tasks import VaultEnv, inscription, make_task, make_tasks, parse_tool_call
 from gyreflow.engine.base import GenerationResult
 from gyreflow.model.chat import END_ID, encode_text
 from gyreflow.trajectory.tree import build_tree
@@ -111,6 +111,32 @@ def test_long_horizon_with_compaction_reaches_200_tool_calls():
     assert max(len(c.prompt_ids) for c in out.calls) <= 512
     # Compaction drops old turns, so the calls no longer form one chain: the tree branches.
     assert build_tree(out).n_leaves > 1
+
+
+def test_reply_padding_starts_every_tool_reply_and_is_deterministic():
+    plain, padded = make_task("train", 8, 3), make_task("train", 8, 3, reply_padding=200)
+    assert plain.rooms == padded.rooms
+    a, b, c = VaultEnv(plain), VaultEnv(padded), VaultEnv(padded)
+    for call in ["read()", "go 1", f"go({plain.rooms[0].answer})", "read()"]:
+        short, long_, again = a.execute(call), b.execute(call), c.execute(call)
+        assert long_ == again
+        pad, rest = long_.split("\n", 1)
+        assert len(pad) == 200 and rest == short
+    # Different calls get different inscriptions; the grade ignores the padding.
+    assert inscription(padded.task_id, 1, 200) != inscription(padded.task_id, 2, 200)
+    assert a.grade() == b.grade() == (pytest.approx(1 / 3), False)
+
+
+def test_long_replies_make_200_calls_and_100k_tokens_without_compaction():
+    """The long real setting: 100 rooms, 500 characters per reply. Every prompt extends the last
+    one, so the execution is one chain of >= 100K tokens."""
+    task = make_task("train", 9, 100, reply_padding=500)
+    cfg = AgentConfig(max_context_tokens=130_000)
+    out = run_agent(task, Demonstrator(task, PERFECT, np.random.default_rng(0)), cfg, "long")
+    assert out.passed and len(out.calls) >= 200 and out.metrics["compactions"] == 0
+    assert len(out.calls[-1].prompt_ids) >= 100_000
+    tree = build_tree(out)
+    assert tree.n_leaves == 1
 
 
 def test_demonstrator_is_imperfect_but_competent():

@@ -41,6 +41,10 @@ def test_file_then_overrides(tmp_path):
         ("cluster.rollout_workers=1", "cluster: placement 'elastic' cannot move a cell on 2 cell(s): it keeps 1 rollout "
                                       "and 1 trainer cell(s); start at least 3 cells (e.g. cluster.rollout_workers=2) "
                                       "or use cluster.placement=async"),
+        ("task.reply_padding=-5", "task.reply_padding must be >= 0, got -5"),
+        ("sft.horizon=-1", "sft.horizon must be >= 0, got -1"),
+        ("agent.max_context_tokens=4090", "agent.max_context_tokens 4090 + agent.max_tokens_per_call 24 = 4114 exceeds "
+                                          "model.max_position_embeddings 4096"),
         ("model.num_heads=3", "model.hidden_size (128) must be a multiple of model.num_heads (3)"),
         ("model.colour=blue", "unknown field model.colour; allowed:"),
         ("rl=3", "rl must be a table of fields"),

@@ -35,13 +35,13 @@ class VaultSource:
         from gyreflow.agents.tasks import make_tasks
 
         t = self.cfg.task
-        return make_tasks("train", n, t.horizon, t.spare_calls, start=step * n)
+        return make_tasks("train", n, t.horizon, t.spare_calls, start=step * n, reply_padding=t.reply_padding)
 
     def heldout(self) -> list:
         from gyreflow.agents.tasks import make_tasks
 
         t = self.cfg.task
-        return make_tasks("heldout", t.heldout_tasks, t.horizon, t.spare_calls)
+        return make_tasks("heldout", t.heldout_tasks, t.horizon, t.spare_calls, reply_padding=t.reply_padding)
 
     def agent(self):
         return self.cfg.agent
@@ -51,7 +51,8 @@ class VaultSource:
         from gyreflow.agents.tasks import make_tasks
 
         c = self.cfg
-        tasks = make_tasks("sft", c.sft.demos, c.task.horizon, c.task.spare_calls)
+        tasks = make_tasks("sft", c.sft.demos, c.sft.horizon or c.task.horizon, c.task.spare_calls,
+                           reply_padding=c.task.reply_padding)
         return demonstrations(tasks, c.agent, c.sft.noise, seed=c.rl.seed)
 
 

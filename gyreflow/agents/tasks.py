@@ -8,7 +8,9 @@ the highest or lowest number). Tools:
 - ``go(X)``: opens door ``X``; the right door leads to the next room, a wrong one is locked.
 
 Every room costs at least two tool calls, so ``horizon`` sets the length: 5 rooms ~ 10 calls,
-100 rooms ~ 200 calls. Executions have a call budget, a token budget and a time limit; the grader
+100 rooms ~ 200 calls. ``reply_padding`` starts every tool reply with that many characters of
+inscription, as real tools return long outputs: 100 rooms with 500 each make contexts of >100K
+tokens without compaction. Executions have a call budget, a token budget and a time limit; the grader
 gives partial credit for the rooms crossed when the execution ends, however it ends.
 """
 
@@ -42,6 +44,8 @@ class Task:
     rooms: tuple[Room, ...]
     spare_calls: int
     """Calls allowed beyond the two per room that a perfect agent needs."""
+    reply_padding: int = 0
+    """Characters of inscription every tool reply starts with."""
 
     @property
     def horizon(self) -> int:
@@ -65,7 +69,8 @@ def _seed(split: str, index: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def make_task(split: str, index: int, horizon: int, spare_calls: int = 2, p_explicit: float = 0.5) -> Task:
+def make_task(split: str, index: int, horizon: int, spare_calls: int = 2, p_explicit: float = 0.5,
+              reply_padding: int = 0) -> Task:
     """Task ``index`` of ``split``: deterministic in its arguments."""
     rng = np.random.default_rng(_seed(split, index))
     rooms = []
@@ -79,11 +84,26 @@ def make_task(split: str, index: int, horizon: int, spare_calls: int = 2, p_expl
         else:
             answer, note = DOOR_NAMES[int(np.argmin(numbers))], "lowest"
         rooms.append(Room(numbers=numbers, note=note, answer=answer))
-    return Task(task_id=f"{split}-{index:05d}", split=split, rooms=tuple(rooms), spare_calls=spare_calls)
+    return Task(task_id=f"{split}-{index:05d}", split=split, rooms=tuple(rooms), spare_calls=spare_calls,
+                reply_padding=reply_padding)
 
 
-def make_tasks(split: str, n: int, horizon: int, spare_calls: int = 2, start: int = 0) -> list[Task]:
-    return [make_task(split, start + i, horizon, spare_calls) for i in range(n)]
+def make_tasks(split: str, n: int, horizon: int, spare_calls: int = 2, start: int = 0,
+               reply_padding: int = 0) -> list[Task]:
+    return [make_task(split, start + i, horizon, spare_calls, reply_padding=reply_padding) for i in range(n)]
+
+
+_WORDS = ("the", "stone", "reads", "old", "dust", "of", "kings", "under", "moss", "and", "faded", "ink", "lies",
+          "here", "no", "key", "cold", "wind", "through", "cracks")
+
+
+def inscription(task_id: str, call: int, length: int) -> str:
+    """``length`` characters of filler text, the same for a task's call every time."""
+    if length <= 0:
+        return ""
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(f"{task_id}/{call}".encode()).digest()[:8], "little"))
+    words = [_WORDS[i] for i in rng.integers(len(_WORDS), size=length // 3 + 1)]
+    return " ".join(words)[:length]
 
 
 def parse_tool_call(text: str) -> tuple[str, str]:
@@ -121,6 +141,12 @@ class VaultEnv:
 
     def execute(self, text: str) -> str:
         """Run the tool call in ``text``; a malformed call yields an error observation."""
+        reply = self._execute(text)
+        if self.task.reply_padding:
+            return f"{inscription(self.task.task_id, self.calls, self.task.reply_padding)}\n{reply}"
+        return reply
+
+    def _execute(self, text: str) -> str:
         self.calls += 1
         try:
             name, arg = parse_tool_call(text)

@@ -20,7 +20,8 @@ from gyreflow.trajectory.records import END_REASONS, RETRIED
 
 
 def engine_options(cfg: RunConfig) -> dict:
-    ctx = cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call + 64
+    # Room for the longest prompt the agent builds plus its reply, within the model's positions.
+    ctx = min(cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call + 64, cfg.model.max_position_embeddings)
     return {"max_batch": cfg.cluster.engine_max_batch, "max_seq_len": ctx,
             "retain_sessions": 2 * cfg.cluster.engine_max_batch}
 
