@@ -142,6 +142,10 @@ class ClusterConfig:
     """Intra-op torch threads per cell; keep cells x threads <= cores."""
     engine_max_batch: int = 64
     """Live generations per engine."""
+    engine_kv_tokens: int = 0
+    """Positions of each engine's paged KV pool, live requests and retained sessions together
+    (0: room for every live and retained request at up to 4,096 tokens each). Long executions
+    need room for their whole contexts, or every call prefills its context again."""
     dashboard_address: str = "127.0.0.1:0"
     """Where the Dask dashboard listens (loopback by default; port 0 picks a free one)."""
 
@@ -261,6 +265,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("cluster.execution_slots", cfg.cluster.execution_slots)
     _positive("cluster.torch_threads", cfg.cluster.torch_threads)
     _positive("cluster.engine_max_batch", cfg.cluster.engine_max_batch)
+    _positive("cluster.engine_kv_tokens", cfg.cluster.engine_kv_tokens, allow_zero=True)
+    if 0 < cfg.cluster.engine_kv_tokens < (need := min(longest + 64, cfg.model.max_position_embeddings)):
+        raise ConfigError(f"cluster.engine_kv_tokens {cfg.cluster.engine_kv_tokens} cannot hold one request of "
+                          f"{need} tokens (agent.max_context_tokens + agent.max_tokens_per_call + 64)")
     if cfg.storage.archive:
         from gyreflow.storage.stores import is_url
 

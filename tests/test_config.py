@@ -45,6 +45,7 @@ def test_file_then_overrides(tmp_path):
         ("sft.horizon=-1", "sft.horizon must be >= 0, got -1"),
         ("agent.max_context_tokens=4090", "agent.max_context_tokens 4090 + agent.max_tokens_per_call 24 = 4114 exceeds "
                                           "model.max_position_embeddings 4096"),
+        ("cluster.engine_kv_tokens=1000", "cluster.engine_kv_tokens 1000 cannot hold one request of 2136 tokens"),
         ("model.num_heads=3", "model.hidden_size (128) must be a multiple of model.num_heads (3)"),
         ("model.colour=blue", "unknown field model.colour; allowed:"),
         ("rl=3", "rl must be a table of fields"),

@@ -19,11 +19,18 @@ from gyreflow.storage import write_executions
 from gyreflow.trajectory.records import END_REASONS, RETRIED
 
 
+KV_BLOCK = 64
+"""Positions per KV block of the engines a run sizes by ``cluster.engine_kv_tokens``."""
+
+
 def engine_options(cfg: RunConfig) -> dict:
     # Room for the longest prompt the agent builds plus its reply, within the model's positions.
     ctx = min(cfg.agent.max_context_tokens + cfg.agent.max_tokens_per_call + 64, cfg.model.max_position_embeddings)
-    return {"max_batch": cfg.cluster.engine_max_batch, "max_seq_len": ctx,
-            "retain_sessions": 2 * cfg.cluster.engine_max_batch}
+    options = {"max_batch": cfg.cluster.engine_max_batch, "max_seq_len": ctx,
+               "retain_sessions": 2 * cfg.cluster.engine_max_batch}
+    if cfg.cluster.engine_kv_tokens:
+        options.update(kv_block_size=KV_BLOCK, kv_blocks=-(-cfg.cluster.engine_kv_tokens // KV_BLOCK))
+    return options
 
 
 def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
