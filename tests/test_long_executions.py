@@ -4,8 +4,6 @@ whole."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import openai
 import pytest
@@ -21,7 +19,6 @@ from gyreflow.proxy.sessions import Budget
 from gyreflow.storage import ArchiveReader, archive_path, commit_step, create_archive, write_execution
 from gyreflow.trajectory.records import ExecutionResult
 from gyreflow.trajectory.tree import build_tree
-from proxy_support import TOOLS
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +33,15 @@ def test_a_200_call_100k_token_execution_through_the_proxy(long_engine, tmp_path
     vault = VaultEnv(task)
     with ProxyThread(model_card(build_tokenizer(), "m")) as px:
         session = px.open("long", EngineBackend(long_engine), budget=Budget(max_calls=task.max_calls,
-                                                                            max_tokens_per_call=48))
+                                                                            max_tokens_per_call=8))
         env = px.environment(session)
         client = openai.OpenAI(base_url=env["OPENAI_BASE_URL"], api_key=env["OPENAI_API_KEY"])
         messages = [{"role": "user", "content": vault.prompt()}]
         for _ in range(task.max_calls):
-            # An untrained policy: "required" is what makes every reply a call of one of the tools.
-            reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                                   tool_choice="required", max_tokens=48)
-            msg = reply.choices[0].message
-            assert msg.tool_calls
-            messages.append(msg.model_dump(exclude_none=True))
-            for call in msg.tool_calls:
-                door = json.loads(call.function.arguments or "{}").get("door", "")
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": vault.execute(f"{call.function.name}({door})")})
+            # The reply is the command; what the tool answers comes back as the next user turn.
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+            text = reply.choices[0].message.content or ""
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": vault.execute(text)}]
         records = px.close("long").records
 
     assert len(records) == task.max_calls >= 200
