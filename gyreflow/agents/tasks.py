@@ -63,16 +63,15 @@ class Task:
         return asdict(self)
 
 
-def _seed(split: str, index: int) -> int:
-    # Splits draw from disjoint seed streams, so held-out tasks are never trained on.
-    digest = hashlib.sha256(f"vault/{split}/{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+def _seed(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
 
 
 def make_task(split: str, index: int, horizon: int, spare_calls: int = 2, p_explicit: float = 0.5,
               reply_padding: int = 0) -> Task:
     """Task ``index`` of ``split``: deterministic in its arguments."""
-    rng = np.random.default_rng(_seed(split, index))
+    # Splits draw from disjoint seed streams, so held-out tasks are never trained on.
+    rng = np.random.default_rng(_seed(f"vault/{split}/{index}"))
     rooms = []
     for _ in range(horizon):
         numbers = tuple(int(d) for d in rng.choice(np.arange(10, 100), size=3, replace=False))
@@ -101,7 +100,7 @@ def inscription(task_id: str, call: int, length: int) -> str:
     """``length`` characters of filler text, the same for a task's call every time."""
     if length <= 0:
         return ""
-    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(f"{task_id}/{call}".encode()).digest()[:8], "little"))
+    rng = np.random.default_rng(_seed(f"{task_id}/{call}"))
     words = [_WORDS[i] for i in rng.integers(len(_WORDS), size=length // 3 + 1)]
     return " ".join(words)[:length]
 
