@@ -85,6 +85,13 @@ class RLConfig:
     is_cap: float = 0.0
     """Truncated importance weight (0: off): a sample drawn by the weights being trained is scored
     on the trainer's own log-prob, weighted by min(trainer / engine probability, ``is_cap``)."""
+    max_update_kl: float = 0.05
+    """Trust region of an update (0: off): the optimizer step is halved until it moves the policy at
+    most this far (mean per-token KL over ``kl_probe_tokens`` of the step's trained samples). One
+    Adam step on a small policy can move it by a nat per token, into a policy that never earns a
+    reward again."""
+    kl_probe_tokens: int = 8192
+    """Tokens forwarded to measure an update's KL (taken from every gradient share in turn)."""
     staleness: int = 1
     """Most versions a trained token may lag the weights being updated; 0 is on-policy."""
     shares_per_group: int = 1
@@ -216,6 +223,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive("rl.clip_eps", cfg.rl.clip_eps)
     _positive("rl.clip_eps_high", cfg.rl.clip_eps_high, allow_zero=True)
     _positive("rl.is_cap", cfg.rl.is_cap, allow_zero=True)
+    _positive("rl.max_update_kl", cfg.rl.max_update_kl, allow_zero=True)
+    _positive("rl.kl_probe_tokens", cfg.rl.kl_probe_tokens)
     if cfg.rl.clip_ratio_c and cfg.rl.clip_ratio_c <= 1:
         raise ConfigError(f"rl.clip_ratio_c must be > 1 (or 0: off), got {cfg.rl.clip_ratio_c}")
     if getattr(LOSSES.get(cfg.rl.loss), "on_policy_only", False) and cfg.rl.staleness > 0:

@@ -6,6 +6,7 @@ data and references, never models. The recipes (``gyreflow.recipes``) submit the
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -14,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict
+from itertools import zip_longest
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,7 @@ from gyreflow.cluster.router import Router
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
 from gyreflow.model.policy import build_policy, load_policy, save_policy, state_dict_numpy
-from gyreflow.train.packing import PathSample
+from gyreflow.train.packing import PathSample, probe_of
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.reduce import GradientShare, msg_to_share
 from gyreflow.train.state import GroupSamples, PolicyState, PublishedWeights
@@ -270,9 +272,10 @@ def partition(sizes: list[int], parts: int) -> list[list[int]]:
 
 
 def gradient_share(group: GroupSamples, published: PublishedWeights, j: int, shares: int, loss: str, loss_kwargs: dict,
-                   max_staleness: int | None = None, is_cap: float = 0.0) -> GradientShare:
+                   max_staleness: int | None = None, is_cap: float = 0.0, probe_tokens: int = 0) -> GradientShare:
     """The gradient of the ``j``-th of ``shares`` parts of one group's paths at the ``published``
-    weights: one share of a step's gradient work. Runs on any trainer cell, so a cell that joins
+    weights: one share of a step's gradient work, with up to ``probe_tokens`` tokens of its
+    samples for the update to measure itself on. Runs on any trainer cell, so a cell that joins
     mid-step takes shares too."""
     worker = get_worker()
     service = worker.plugins[TRAINER_PLUGIN]
@@ -283,6 +286,7 @@ def gradient_share(group: GroupSamples, published: PublishedWeights, j: int, sha
     out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)
     out.train_s = time.time() - t0
     out.worker = worker.address
+    out.probe = probe_of(samples, probe_tokens)
     # The gradient stays on this cell, in its running sum for the step; the update takes the sum.
     return service.sums.add(published.run, worker.get_current_task(), out)
 
@@ -316,21 +320,28 @@ def gather_sums(shares: list[GradientShare], run: str) -> list[GradientShare]:
     return out
 
 
-def apply_update(step: int, shares: list[GradientShare], state: PolicyState) -> PolicyState:
+def apply_update(step: int, shares: list[GradientShare], state: PolicyState, max_kl: float = 0.0,
+                 probe_tokens: int = 0) -> PolicyState:
     """The step's optimizer update from its gradient shares (one summed gradient taken from each
-    cell that computed some); the next RL state (new weights version, optimizer state). Runs on a
-    trainer cell."""
+    cell that computed some); the next RL state (new weights version, optimizer state). With
+    ``max_kl``, the update moves the policy at most that far on a probe of ``probe_tokens`` tokens
+    taken from every share in turn. Runs on a trainer cell."""
     service = get_worker().plugins[TRAINER_PLUGIN]
     trainer = service.resume(state)
     t0 = time.time()
-    metrics = trainer.apply_gradients(gather_sums(shares, state.run))
+    # One sample from each share in turn, so the probe covers the step's groups.
+    probe = probe_of([p for turn in zip_longest(*(s.probe for s in shares)) for p in turn if p is not None],
+                     probe_tokens)
+    metrics = trainer.apply_gradients(gather_sums(shares, state.run), max_kl, probe)
     service.applied()
     metrics["apply_s"] = time.time() - t0
     metrics["train_s"] = sum(s.train_s for s in shares) + metrics["apply_s"]
     metrics["share_workers"] = sorted({s.worker for s in shares})
     metrics["step"] = step
+    # A copy: the state dict holds the optimizer's live tensors, which the cell's next update
+    # changes in place while Dask may still hand this state out (a checkpoint, a resume).
     return PolicyState(_published(trainer.model, trainer.version, trainer.cfg, state.run),
-                       trainer.optimizer.state_dict(), metrics)
+                       copy.deepcopy(trainer.optimizer.state_dict()), metrics)
 
 
 def save_checkpoint(published: PublishedWeights, path: str) -> str:

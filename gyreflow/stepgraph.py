@@ -44,8 +44,8 @@ class Stages:
     gradient: Callable[..., dict]
     """``gradient(group, published, j, shares, *gradient_args) -> share``: the gradient of the
     ``j``-th of ``shares`` token-balanced parts of the group."""
-    update: Callable[[int, list, dict], dict]
-    """``update(step, shares, state) -> state``."""
+    update: Callable[..., dict]
+    """``update(step, shares, state, *update_args) -> state``."""
     weights: Callable[[dict], dict]
     """``weights(state) -> published``."""
     publish: Callable[[dict], dict]
@@ -85,7 +85,7 @@ class StepFutures:
 def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stages, state: Future,
                 published: Future, advantage_args: tuple = (), gradient_args: tuple = (),
                 shares_per_group: int = 1, tree_args: tuple = (), archive: str | None = None,
-                tag: str = "") -> StepFutures:
+                tag: str = "", update_args: tuple = ()) -> StepFutures:
     """Submit one step's tasks; ``state``/``published``: the RL state the step updates and its
     weights (the futures of the previous step, or of the warm start). Each group's gradient work
     is cut into ``shares_per_group`` tasks, so the group of the step's last execution is trained
@@ -115,7 +115,7 @@ def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stag
         shares.extend(client.submit(stages.gradient, adv, published, j, shares_per_group, *gradient_args,
                                     key=f"grad-{step}-{g.task_id}-{j}{tag}", resources=TRAIN)
                       for j in range(shares_per_group))
-    update = client.submit(stages.update, step, shares, state, key=f"update-{step}{tag}", resources=TRAIN)
+    update = client.submit(stages.update, step, shares, state, *update_args, key=f"update-{step}{tag}", resources=TRAIN)
     nxt = client.submit(stages.weights, update, key=f"weights-v{step + 1}{tag}")
     return StepFutures(step, executions, trees, group_futs, shares, update, nxt, writes)
 

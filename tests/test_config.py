@@ -43,6 +43,8 @@ def test_file_then_overrides(tmp_path):
                                       "or use cluster.placement=async"),
         ("task.reply_padding=-5", "task.reply_padding must be >= 0, got -5"),
         ("sft.horizon=-1", "sft.horizon must be >= 0, got -1"),
+        ("rl.max_update_kl=-0.1", "rl.max_update_kl must be >= 0, got -0.1"),
+        ("rl.kl_probe_tokens=0", "rl.kl_probe_tokens must be > 0, got 0"),
         ("agent.max_context_tokens=4090", "agent.max_context_tokens 4090 + agent.max_tokens_per_call 24 = 4114 exceeds "
                                           "model.max_position_embeddings 4096"),
         ("cluster.engine_kv_tokens=1000", "cluster.engine_kv_tokens 1000 cannot hold one request of 2136 tokens"),

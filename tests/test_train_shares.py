@@ -6,7 +6,7 @@ import torch
 
 from gyreflow.model.policy import ModelConfig, build_policy
 from gyreflow.stages import partition
-from gyreflow.train.packing import PathSample
+from gyreflow.train.packing import PathSample, probe_of
 from gyreflow.train.trainer import GradientShare, OptimConfig, Trainer
 
 
@@ -112,6 +112,96 @@ def test_rl_learning_rate_warms_up_over_the_first_updates():
     assert t0.rl_step(samples(5, 20), "reinforce")["lr"] == pytest.approx(lr)
 
 
+def k3_kl(before, after, data: list[PathSample]) -> float:
+    """Mean KL(before || after) over the trained tokens of ``data`` (chains at temperature 1), by
+    the k3 estimator, from plain forwards of the two models."""
+    num, n = 0.0, 0
+    with torch.no_grad():
+        for s in data:
+            ids = torch.as_tensor(s.tokens, dtype=torch.long)[None]  # (1, L)
+            pos = np.flatnonzero(s.trained)
+            tgt = torch.as_tensor(s.tokens[pos], dtype=torch.long)
+            lp = [torch.log_softmax(m(input_ids=ids).logits[0].float(), -1)[pos - 1, tgt] for m in (before, after)]
+            d = lp[1] - lp[0]  # (T,)
+            num += float((torch.exp(d) - 1 - d).sum())
+            n += len(pos)
+    return num / n
+
+
+def model_at(cfg, weights: list[torch.Tensor]):
+    m = build_policy(cfg, seed=0)
+    with torch.no_grad():
+        for p, w in zip(m.parameters(), weights):
+            p.copy_(w)
+    return m.eval()
+
+
+def test_an_update_is_cut_to_its_kl_bound():
+    """The bounded update lies on the segment from the old weights to the whole Adam step, at the
+    largest halving whose KL on the probe is within the bound (twice that step breaks it)."""
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    data = samples(6, 4)
+    optim = OptimConfig(lr=0.05, warmup_steps=0)
+    whole = Trainer(build_policy(cfg, seed=1), optim)
+    cut = Trainer(build_policy(cfg, seed=1), optim)
+    w0 = [p.detach().clone() for p in whole.model.parameters()]
+    before = model_at(cfg, w0)
+    got_whole = whole.apply_gradients([whole.gradients(data, "reinforce")])
+    assert "update_scale" not in got_whole  # no bound: the plain step
+    w_whole = [p.detach().clone() for p in whole.model.parameters()]
+    kl_whole = k3_kl(before, whole.model, data)
+    assert kl_whole > 0.01  # a step that moves the policy
+
+    bound = kl_whole / 20
+    got = cut.apply_gradients([cut.gradients(data, "reinforce")], max_kl=bound, probe=data)
+    s = got["update_scale"]
+    assert s in [2.0 ** -k for k in range(1, 11)]
+    assert got["update_kl_proposed"] == pytest.approx(kl_whole, rel=1e-3)
+    for p, a, b in zip(cut.model.parameters(), w0, w_whole):
+        torch.testing.assert_close(p.detach(), a + s * (b - a), rtol=1e-5, atol=1e-7)
+    kl_cut = k3_kl(before, cut.model, data)
+    assert kl_cut <= bound and got["update_kl"] == pytest.approx(kl_cut, rel=1e-3, abs=1e-7)
+    twice = model_at(cfg, [a + 2 * s * (b - a) for a, b in zip(w0, w_whole)])
+    assert k3_kl(before, twice, data) > bound
+    assert cut.version == whole.version == 1
+    # The optimizer state is that of the whole step (only the step's size was cut).
+    for a, b in zip(whole.optimizer.state.values(), cut.optimizer.state.values()):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"])
+
+
+def test_an_update_within_its_bound_is_the_whole_step():
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
+    data = samples(5, 5)
+    a, b = (Trainer(build_policy(cfg, seed=2), OptimConfig(lr=1e-3)) for _ in range(2))
+    a.apply_gradients([a.gradients(data, "reinforce")])
+    got = b.apply_gradients([b.gradients(data, "reinforce")], max_kl=1e6, probe=data)
+    assert got["update_scale"] == 1.0 and got["update_kl"] == got["update_kl_proposed"] >= 0
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_probe_takes_whole_samples_then_a_prefix_within_its_tokens():
+    data = samples(4, 6)
+    n0, n1, n2 = (len(s.tokens) for s in data[:3])
+    budget = n0 + n1 + n2 // 2 + 2  # the third sample's prefix holds trained tokens (its second half)
+    probe = probe_of(data, budget)
+    assert len(probe) == 3 and probe[0] is data[0] and probe[1] is data[1]
+    head = probe[2]
+    k = budget - n0 - n1
+    assert len(head.tokens) == k and sum(len(s.tokens) for s in probe) == budget
+    np.testing.assert_array_equal(head.tokens, data[2].tokens[:k])
+    np.testing.assert_array_equal(head.trained, data[2].trained[:k])
+    np.testing.assert_array_equal(head.logprobs, data[2].logprobs[:k])
+    assert head.n_trained == int(data[2].trained[:k].sum()) > 0
+    # A prefix with nothing trained in it measures nothing: left out.
+    assert probe_of(data, 3) == []
+    # A tree-shaped sample has no prefix sample: skipped when it does not fit whole.
+    tree = PathSample(data[3].tokens, data[3].trained, data[3].logprobs, data[3].versions, 0.0,
+                      positions=np.arange(len(data[3].tokens)), prev=np.arange(len(data[3].tokens)) - 1)
+    assert probe_of([tree, data[0]], n0) == [data[0]]
+    with pytest.raises(ValueError, match="no prefix sample"):
+        tree.head(3)
+
+
 def test_samples_staler_than_the_bound_are_masked():
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2)
     t = Trainer(build_policy(cfg, seed=1), OptimConfig(), version=5)
@@ -195,6 +285,10 @@ def test_shares_of_different_versions_are_not_summed():
     assert len(sums) == 2 and sums.take("run", 3, ["b"]).tokens == b.tokens
 
 
+def optimizer_mass(state) -> float:
+    return float(sum(v["exp_avg"].abs().sum() for v in state.optimizer["state"].values()))
+
+
 def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
     """On a real cluster: a group's shares run on two trainer cells, each keeps its gradients in
     its own sum, and the update (on one of them) takes one sum per cell: the same update as one
@@ -202,7 +296,7 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
     from distributed import Client
 
     from gyreflow.cluster.local import PoolSpec, local_cluster
-    from gyreflow.stages import _published, apply_update, gradient_share
+    from gyreflow.stages import _published, apply_update, gradient_share, weights_of
     from gyreflow.train.state import GroupSamples, PolicyState
     from gyreflow.cluster.pools import TRAINER
     from gyreflow.train.service import TrainerService
@@ -214,6 +308,9 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
     state = PolicyState(published)
     ref = Trainer(build_policy(TINY, seed=3), optim, version=0)
     want = ref.rl_step(data, "ppo_clip", clip_eps=0.2)
+    w0 = [p.detach().clone() for p in model.parameters()]
+    w_ref = [p.detach().clone() for p in ref.model.parameters()]
+    bound = k3_kl(model_at(TINY, w0), ref.model, data) / 10
     group = GroupSamples(data, [], [])
     with local_cluster(PoolSpec(rollout=1, trainer=2, execution_slots=1)) as cluster, Client(cluster) as client:
         info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
@@ -225,13 +322,35 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
                   for j in range(4)]
         light = client.gather(shares)
         assert {s.worker for s in light} == set(cells) and all(s.grads is None for s in light)
-        new = client.submit(apply_update, 0, shares, state, key="update-0", workers=[cells[0]],
-                            allow_other_workers=False).result()
+        new_f = client.submit(apply_update, 0, shares, state, key="update-0", workers=[cells[0]],
+                              allow_other_workers=False)
+        new = new_f.result()
         assert new.metrics["shares"] == 4 and new.metrics["share_workers"] == cells
         assert new.metrics["trained_tokens"] == want["trained_tokens"] and new.version == 1
         assert new.metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         # Nothing is left behind on either cell.
         left = client.run(lambda dask_worker: len(dask_worker.plugins["gyreflow-trainer"].sums), workers=cells)
         assert set(left.values()) == {0}
+        # The state an update returned stays as it was when its cell applies the next update (Dask
+        # may still hand it to a checkpoint): it holds no tensor of the live optimizer.
+        first = optimizer_mass(new)
+        shares = [client.submit(gradient_share, GroupSamples(samples(6, 8), [], []), client.submit(weights_of, new_f),
+                                j, 2, "ppo_clip", {"clip_eps": 0.2}, key=f"grad-1-t-{j}", workers=[cells[0]],
+                                allow_other_workers=False) for j in range(2)]
+        assert client.submit(apply_update, 1, shares, new_f, key="update-1", workers=[cells[0]],
+                             allow_other_workers=False).result().version == 2
+        assert client.submit(optimizer_mass, new_f, workers=[cells[0]], pure=False).result() == first
+        # The same step under a KL bound, updated on the other cell: each share brings a probe of
+        # its samples, and the update is cut to a halving of the whole one within the bound.
+        shares = [client.submit(gradient_share, group, published, j, 4, "ppo_clip", {"clip_eps": 0.2}, None, 0.0,
+                                10_000, key=f"grad-0-bounded-{j}", workers=[cells[j % 2]], allow_other_workers=False)
+                  for j in range(4)]
+        cut = client.submit(apply_update, 0, shares, state, bound, 10_000, key="update-0-bounded", workers=[cells[1]],
+                            allow_other_workers=False).result()
+    s = cut.metrics["update_scale"]
+    assert s < 1 and cut.metrics["update_kl"] <= bound
+    for (name, _), a, b in zip(ref.model.named_parameters(), w0, w_ref):
+        np.testing.assert_allclose(cut.published.weights[name], (a + s * (b - a)).numpy(), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
     for name, p in ref.model.named_parameters():
         np.testing.assert_allclose(new.published.weights[name], p.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

@@ -39,14 +39,18 @@ def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
     return pools[ROLLOUT] + (pools[TRAINER] if placement_mode(cfg.cluster.placement).trainers_roll_out else [])
 
 
-def step_args(cfg: RunConfig) -> tuple[tuple, tuple, tuple]:
-    """The advantage, gradient and tree arguments of a step's tasks under ``cfg``."""
+def step_args(cfg: RunConfig) -> dict:
+    """The arguments of a step's tasks under ``cfg``, as keywords of
+    :func:`~gyreflow.stepgraph.submit_step`."""
     loss_kwargs = {"clip_eps": cfg.rl.clip_eps, "clip_eps_high": cfg.rl.clip_eps_high or None,
                    "clip_ratio_c": cfg.rl.clip_ratio_c or None}
     staleness = placement_mode(cfg.cluster.placement).staleness(cfg.rl.staleness)
-    return ((cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed, cfg.rl.tree_training),
-            (cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap),
-            (VOCAB_SIZE, cfg.model.max_position_embeddings))
+    probe = cfg.rl.kl_probe_tokens if cfg.rl.max_update_kl > 0 else 0
+    return {"advantage_args": (cfg.rl.advantage, cfg.rl.j_max, cfg.rl.aggregation, cfg.rl.seed, cfg.rl.tree_training),
+            "gradient_args": (cfg.rl.loss, loss_kwargs, staleness, cfg.rl.is_cap, probe),
+            "update_args": (cfg.rl.max_update_kl, probe),
+            "tree_args": (VOCAB_SIZE, cfg.model.max_position_embeddings),
+            "shares_per_group": cfg.rl.shares_per_group}
 
 
 def end_reasons(executions) -> dict[str, int]:

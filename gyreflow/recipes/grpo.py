@@ -231,12 +231,9 @@ def launch(d: Driver, step: int, state: Future, published: Future) -> StepInFlig
                      for sample in range(cfg.rl.samples_per_task)])
         for name, task in zip(group_names(tasks), tasks)
     ]
-    advantage_args, gradient_args, tree_args = step_args(cfg)
     # Each group is archived (one segment, from the trees built for training) before it trains,
     # and trains what was archived.
-    futures = submit_step(client, step, groups, STAGES, state, published, advantage_args=advantage_args,
-                          gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args,
-                          archive=str(d.archive))
+    futures = submit_step(client, step, groups, STAGES, state, published, archive=str(d.archive), **step_args(cfg))
     return StepInFlight(futures)
 
 
@@ -313,7 +310,8 @@ def commit(d: Driver, sf: StepInFlight) -> None:
         "elapsed_s": now - d.t_run,
         "max_staleness": m.get("max_staleness", 0),
         "train": {k: m[k] for k in ("trained_tokens", "padded_tokens", "stale_masked", "grad_norm", "clip_frac",
-                                    "approx_kl", "train_s", "shares", "share_workers") if k in m},
+                                    "approx_kl", "update_kl", "update_kl_proposed", "update_scale", "train_s", "shares",
+                                    "share_workers") if k in m},
         "placement": d.report.placement_since(client.sync(client.scheduler.gyreflow_pools)),
     }
     d.last_commit = now
@@ -322,6 +320,9 @@ def commit(d: Driver, sf: StepInFlight) -> None:
     d.log(f"step {sf.step + 1}/{cfg.rl.steps}: held-out pass {held}  train reward {entry['mean_reward']:.3f}  "
           f"tokens {tokens}  staleness {entry['max_staleness']}  trained on {len(m.get('share_workers', []))} cell(s)  "
           f"{entry['wall_s']:.1f}s")
+    if m.get("update_scale", 1.0) < 1.0:
+        d.log(f"  update cut to {m['update_scale']:g} of the step: KL {m['update_kl_proposed']:.3f} -> "
+              f"{m['update_kl']:.3f} (rl.max_update_kl {cfg.rl.max_update_kl:g})")
     d.log(f"  placement: {describe(entry['placement'])}")
 
 

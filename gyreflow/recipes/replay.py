@@ -131,10 +131,7 @@ def submit_replayed_step(client: Client, reader: ArchiveReader, step: int, cfg: 
     groups = train_groups(reader, reader.path if is_url(reader.path) else str(Path(reader.path).resolve()), step)
     if not groups:
         return None
-    advantage_args, gradient_args, tree_args = step_args(cfg)
-    return submit_step(client, step, groups, STAGES, state, published, advantage_args=advantage_args,
-                       gradient_args=gradient_args, shares_per_group=cfg.rl.shares_per_group, tree_args=tree_args,
-                       tag=tag)
+    return submit_step(client, step, groups, STAGES, state, published, tag=tag, **step_args(cfg))
 
 
 def run(client: Client, cfg: RunConfig, archive: str | Path, out_dir: str | Path, init: str | Path | None = None,

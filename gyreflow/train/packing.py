@@ -10,7 +10,7 @@ one term per sample), so the loss equals that of training every call on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -90,6 +90,35 @@ class PathSample:
     def n_trained(self) -> int:
         """Loss terms: trained tokens plus their further samples."""
         return int(self.trained.sum()) + len(self.extra_pos)
+
+    def head(self, n: int) -> PathSample:
+        """The chain's first ``n`` tokens as a sample (a causal prefix trains the same way)."""
+        if self.is_tree:
+            raise ValueError("a tree-shaped sample has no prefix sample: take whole trees")
+        keep = self.extra_pos < n
+        return replace(self, tokens=self.tokens[:n], trained=self.trained[:n], logprobs=self.logprobs[:n],
+                       versions=self.versions[:n],
+                       advantage=self.advantage if np.isscalar(self.advantage) else self.advantage[:n],
+                       temperatures=None if self.temperatures is None else self.temperatures[:n],
+                       extra_pos=self.extra_pos[keep], extra_logprobs=self.extra_logprobs[keep],
+                       extra_versions=self.extra_versions[keep], extra_temperatures=self.extra_temperatures[keep])
+
+
+def probe_of(samples: list[PathSample], max_tokens: int) -> list[PathSample]:
+    """Samples to measure an update on, at most ``max_tokens`` tokens forwarded: whole samples in
+    order while they fit; a chain longer than what is left is cut to its first tokens (a tree that
+    does not fit is skipped)."""
+    out, left = [], max_tokens
+    for s in samples:
+        if left <= 0:
+            break
+        if len(s.tokens) <= left:
+            out.append(s)
+            left -= len(s.tokens)
+        elif not s.is_tree:
+            out.append(s.head(left))
+            left = 0
+    return [s for s in out if s.n_trained]
 
 
 def _advantage(advantage: float | np.ndarray) -> float | np.ndarray:

@@ -44,6 +44,9 @@ class GradientShare:
     """Shares summed into this one."""
     key: str = ""
     """Task key of the share, once its gradient is held in its cell's sum."""
+    probe: list = field(default_factory=list)
+    """A few of the share's samples (:class:`~gyreflow.train.packing.PathSample`), on which the
+    update measures how far it moves the policy; never summed."""
 
 
 def merge(shares: list[GradientShare]) -> GradientShare:
@@ -102,7 +105,7 @@ class CellSums:
             acc = self._sums.setdefault((run, share.version), _Sum())
             if key not in acc.keys:
                 if acc.share is None:
-                    acc.share = replace(share, sums=dict(share.sums))  # the task's own arrays: summed into in place
+                    acc.share = replace(share, sums=dict(share.sums), probe=[])  # its own arrays: summed in place
                 else:
                     absorb(acc.share, share)
                 acc.keys.add(key)

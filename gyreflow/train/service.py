@@ -8,6 +8,7 @@ last (cells join and leave the trainer pool at run time).
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -101,7 +102,9 @@ class TrainerService(WorkerPlugin):
             trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=trainer.cfg.lr,
                                                   weight_decay=trainer.cfg.weight_decay)
             if state.optimizer is not None:
-                trainer.optimizer.load_state_dict(state.optimizer)
+                # load_state_dict keeps the given tensors: copy them, so the update does not
+                # change the state Dask holds for others.
+                trainer.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
         return trainer
 
     def applied(self) -> None:

@@ -37,6 +37,10 @@ class OptimConfig:
     """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
 
 
+MAX_HALVINGS = 10
+"""Halvings of an update whose KL exceeds its bound before the update is dropped."""
+
+
 def sample_logprobs(model, mb: MicroBatch) -> torch.Tensor:
     """Log-prob of each of the micro-batch's samples under ``model``, at the temperature it was
     drawn at: (N,)."""
@@ -95,6 +99,41 @@ class Trainer:
         self.model.eval()
         self.version += 1
         return norm if math.isfinite(norm) else float("nan")
+
+    def _probe_logprobs(self, probe: list[MicroBatch]) -> list[torch.Tensor]:
+        self.model.eval()
+        with torch.no_grad():
+            return [sample_logprobs(self.model, mb) for mb in probe]  # (N,) each
+
+    def _kl_from(self, probe: list[MicroBatch], before: list[torch.Tensor]) -> float:
+        """Mean KL(before || now) per probe token (the k3 estimator; the tokens were drawn by
+        weights close to ``before``)."""
+        num, den = 0.0, 0
+        for now, old in zip(self._probe_logprobs(probe), before):
+            d = now - old  # (N,) log(p_now / p_before)
+            num += float((torch.expm1(d) - d).sum())
+            den += len(d)
+        return num / den if den else 0.0
+
+    def _bounded_step(self, probe: list[MicroBatch], max_kl: float) -> dict:
+        """The optimizer step, shrunk until the policy moves at most ``max_kl`` (mean per-token KL
+        on ``probe``) from where it was: the step is halved up to ``MAX_HALVINGS`` times, then
+        dropped. Adam's moments advance as for the whole step; only its size is cut."""
+        if max_kl <= 0 or not any(mb.n_trained for mb in probe):
+            return {"grad_norm": self._step()}
+        before = self._probe_logprobs(probe)
+        start = [p.detach().clone() for p in self.model.parameters()]
+        norm = self._step()
+        kl = proposed = self._kl_from(probe, before)
+        scale = 1.0
+        while kl > max_kl and scale > 0:
+            scale = scale / 2 if scale > 2.0 ** -MAX_HALVINGS else 0.0
+            with torch.no_grad():
+                for p, p0 in zip(self.model.parameters(), start):
+                    # p0 + scale * step, from the halved step before it
+                    p.copy_(p0 + (p - p0) * 0.5) if scale else p.copy_(p0)
+            kl = self._kl_from(probe, before)
+        return {"grad_norm": norm, "update_kl": kl, "update_kl_proposed": proposed, "update_scale": scale}
 
     def _apply(self, batches: list[MicroBatch], loss_of) -> dict:
         """One optimizer step over ``batches``; ``loss_of(mb) -> (token-mean loss, metrics)``."""
@@ -163,9 +202,13 @@ class Trainer:
                              sum(s.n_trained for s in samples) - sum(mb.n_trained for mb in batches),
                              int(sum(mb.input_ids.numel() for mb in batches)), self.version)
 
-    def apply_gradients(self, parts: list[GradientShare]) -> dict:
+    def apply_gradients(self, parts: list[GradientShare], max_kl: float = 0.0,
+                        probe: list[PathSample] | None = None) -> dict:
         """The optimizer step of a step whose gradient work was split into ``parts``: the same
-        update as :meth:`rl_step` on all their samples at once (a token mean over the step)."""
+        update as :meth:`rl_step` on all their samples at once (a token mean over the step).
+
+        With ``max_kl`` > 0, the step is shrunk until it moves the policy at most that far (mean
+        per-token KL over the trained tokens of ``probe``; see :meth:`_bounded_step`)."""
         for part in parts:
             if part.grads is None:
                 raise ValueError("a gradient share without its gradient: take its cell's sum (gyreflow.train.reduce)")
@@ -189,10 +232,9 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v / mass
         self.model.train()
         self._set_lr(lr := self.rl_lr())
-        norm = self._step()
-        return sums | {
+        moved = self._bounded_step(pack(probe or [], self.cfg.micro_batch_tokens), max_kl)
+        return sums | moved | {
             "lr": lr,
-            "grad_norm": norm,
             "trained_tokens": int(total),
             "padded_tokens": int(sum(p.padded_tokens for p in parts)),
             "shares": int(sum(p.count for p in parts)),
