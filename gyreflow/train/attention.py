@@ -15,7 +15,7 @@ to the attention function). With no layout it is plain causal attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -97,14 +97,53 @@ def layout(prevs: list[np.ndarray]) -> SegmentLayout:
     return SegmentLayout(tuple(rows), tuple(len(p) for p in prevs))
 
 
+MASK_BYTES = 1 << 27
+"""Largest attention mask materialised at once (queries of a piece are cut to stay within it)."""
+
+
+@dataclass
+class PastKV:
+    """What a piece of a long path attends to beyond itself (see :mod:`gyreflow.train.pieces`): the
+    keys and values of the tokens before it, per layer (``None``: nothing before it). The forward
+    receives it as its ``segments`` keyword; each layer records the piece's own keys and values in
+    :attr:`new`."""
+
+    keys: list[torch.Tensor | None]  # (1, H_kv, P, D) per layer
+    values: list[torch.Tensor | None]
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None, gqa: bool) -> torch.Tensor:
+        """The piece's attention, (B, H, n, D) from ``query`` (B, H, n, D) and its own ``key``,
+        ``value`` (B, H_kv, n, D), over the earlier tokens and causally over itself."""
+        self.new[layer] = (key, value)
+        past_k, past_v = self.keys[layer], self.values[layer]
+        if past_k is None:
+            return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=gqa)
+        P, n = past_k.shape[2], query.shape[2]
+        k_all = torch.cat([past_k, key], dim=2)  # (B, H_kv, P + n, D)
+        v_all = torch.cat([past_v, value], dim=2)
+        outs = []
+        step = max(1, min(n, MASK_BYTES // (P + n)))
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            # Query a + j (absolute P + a + j) sees keys 0 .. P + a + j: all of the past, causal within.
+            mask = torch.ones(b - a, P + b, dtype=torch.bool, device=query.device).tril_(P + a)
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k_all[:, :, :P + b], v_all[:, :, :P + b],
+                                                       attn_mask=mask[None, None], scale=scaling, enable_gqa=gqa))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      segments: SegmentLayout | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                      segments: SegmentLayout | PastKV | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention in transformers' calling convention: ``query`` (B, H, L, D), ``key``/``value``
     (B, H_kv, L, D); returns (B, L, H, D)."""
     if attention_mask is not None:
         raise ValueError(f"{NAME} attention takes its layout from `segments`, not an attention mask")
     gqa = key.shape[1] != query.shape[1]
+    if isinstance(segments, PastKV):
+        return segments.attend(module.layer_idx, query, key, value, scaling, gqa).transpose(1, 2).contiguous(), None
     if segments is None or segments.causal:
         # Right padding only: a real token never sees a pad after it.
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,

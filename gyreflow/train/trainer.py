@@ -16,6 +16,7 @@ from gyreflow.algo.registry import LOSSES
 from gyreflow.model.policy import state_dict_numpy
 from gyreflow.train.attention import use_segment_attention
 from gyreflow.train.packing import MicroBatch, PathSample, pack
+from gyreflow.train.pieces import backward_in_pieces, fits_whole
 from gyreflow.train.reduce import GradientShare
 
 
@@ -34,7 +35,8 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     micro_batch_tokens: int = 16384
-    """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
+    """Padded tokens per forward/backward micro-batch (bounds activation memory); a path longer than
+    this trains in pieces of this many tokens, with the same gradient (:mod:`gyreflow.train.pieces`)."""
 
 
 MAX_HALVINGS = 10
@@ -67,12 +69,16 @@ class Trainer:
             w = float(mb.weights.sum())
             if mb.n_trained == 0 or w == 0:
                 continue
-            loss, metrics = loss_of(mb)
-            (loss * (w / denom)).backward()
+            if fits_whole(mb, self.cfg.micro_batch_tokens):
+                loss, metrics = loss_of(mb)
+                (loss * (w / denom)).backward()
+                metrics = {k: float(v) * w / denom for k, v in metrics.items()}
+            else:  # one path longer than a micro-batch
+                metrics = backward_in_pieces(self.model, mb, self.cfg.micro_batch_tokens, loss_of, denom)
             total += mb.n_trained
             mass += w
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w / denom
+                sums[k] = sums.get(k, 0.0) + v
         return sums, total, mass
 
     def rl_lr(self) -> float:
