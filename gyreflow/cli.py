@@ -493,6 +493,26 @@ def bench_placement_tables(json_paths, readme) -> None:
         console.print(text)
 
 
+@bench.command("pieces")
+@click.option("--tokens", type=click.IntRange(2), default=4096, show_default=True, help="Tokens of the path.")
+@click.option("--piece", type=click.IntRange(1), default=512, show_default=True, help="Tokens of each piece.")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="Rounds of each arm.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the figures as JSON here.")
+def bench_pieces(tokens, piece, repeats, json_path) -> None:
+    """Peak memory and time of one long path's gradient, whole vs in pieces (default policy)."""
+    import json
+
+    from gyreflow.bench import pieces
+
+    if piece >= tokens:
+        raise click.UsageError(f"--piece {piece} must be shorter than --tokens {tokens}: the path would train whole")
+    out = pieces.run(tokens=tokens, piece=piece, repeats=repeats)
+    click.echo(pieces.summary(out))
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+        click.echo(f"figures written to {json_path}")
+
+
 @bench.command("proxy")
 @click.option("--calls", type=click.IntRange(1), default=2000, show_default=True, help="Timed calls of each path.")
 @click.option("--warmup", type=click.IntRange(0), default=200, show_default=True, help="Untimed calls of each path first.")

@@ -97,8 +97,8 @@ def layout(prevs: list[np.ndarray]) -> SegmentLayout:
     return SegmentLayout(tuple(rows), tuple(len(p) for p in prevs))
 
 
-MASK_BYTES = 1 << 27
-"""Largest attention mask materialised at once (queries of a piece are cut to stay within it)."""
+MASK_BYTES = 1 << 25
+"""Largest attention mask built at once off the GPU (a piece's queries go in blocks within it)."""
 
 
 @dataclass
@@ -123,14 +123,24 @@ class PastKV:
         P, n = past_k.shape[2], query.shape[2]
         k_all = torch.cat([past_k, key], dim=2)  # (B, H_kv, P + n, D)
         v_all = torch.cat([past_v, value], dim=2)
-        outs = []
-        step = max(1, min(n, MASK_BYTES // (P + n)))
-        for a in range(0, n, step):
-            b = min(n, a + step)
+        if query.is_cuda:  # fused kernels take the lower-right causal mask without building it
+            from torch.nn.attention.bias import causal_lower_right
+
+            return F.scaled_dot_product_attention(query, k_all, v_all, attn_mask=causal_lower_right(n, P + n),
+                                                  scale=scaling, enable_gqa=gqa)
+        # Elsewhere a masked call materialises its (queries x keys) weights and keeps them for the
+        # backward: queries go in blocks, each recomputed in the backward rather than kept.
+        from torch.utils.checkpoint import checkpoint
+
+        def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int) -> torch.Tensor:
             # Query a + j (absolute P + a + j) sees keys 0 .. P + a + j: all of the past, causal within.
-            mask = torch.ones(b - a, P + b, dtype=torch.bool, device=query.device).tril_(P + a)
-            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k_all[:, :, :P + b], v_all[:, :, :P + b],
-                                                       attn_mask=mask[None, None], scale=scaling, enable_gqa=gqa))
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril_(P + a)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scaling, enable_gqa=gqa)
+
+        step = max(1, min(n, MASK_BYTES // (P + n)))
+        outs = [checkpoint(block, query[:, :, a:a + step], k_all[:, :, :P + min(n, a + step)],
+                           v_all[:, :, :P + min(n, a + step)], a, use_reentrant=False)
+                for a in range(0, n, step)]
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
