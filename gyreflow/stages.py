@@ -93,7 +93,8 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: 
             save_policy(model, cached)
     save_policy(model, checkpoint_dir)
     metrics["sft_s"] = time.time() - t0
-    service.at(published := _published(model, 0, cfg.optim, run))
+    with service.lock:
+        service.at(published := _published(model, 0, cfg.optim, run))
     return PolicyState(published, None, metrics)
 
 
@@ -279,12 +280,13 @@ def gradient_share(group: GroupSamples, published: PublishedWeights, j: int, sha
     mid-step takes shares too."""
     worker = get_worker()
     service = worker.plugins[TRAINER_PLUGIN]
-    trainer = service.at(published)
     trainable = [s for s in group.samples if s.n_trained]
     samples = [trainable[i] for i in partition([s.n_trained for s in trainable], shares)[j]]
-    t0 = time.time()
-    out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)
-    out.train_s = time.time() - t0
+    with service.lock:
+        trainer = service.at(published)
+        t0 = time.time()
+        out = trainer.gradients(samples, loss, max_staleness, is_cap, **loss_kwargs)
+        out.train_s = time.time() - t0
     out.worker = worker.address
     out.probe = probe_of(samples, probe_tokens)
     # The gradient stays on this cell, in its running sum for the step; the update takes the sum.
@@ -327,21 +329,23 @@ def apply_update(step: int, shares: list[GradientShare], state: PolicyState, max
     ``max_kl``, the update moves the policy at most that far on a probe of ``probe_tokens`` tokens
     taken from every share in turn. Runs on a trainer cell."""
     service = get_worker().plugins[TRAINER_PLUGIN]
-    trainer = service.resume(state)
-    t0 = time.time()
     # One sample from each share in turn, so the probe covers the step's groups.
     probe = probe_of([p for turn in zip_longest(*(s.probe for s in shares)) for p in turn if p is not None],
                      probe_tokens)
-    metrics = trainer.apply_gradients(gather_sums(shares, state.run), max_kl, probe)
-    service.applied()
+    with service.lock:
+        trainer = service.resume(state)
+        t0 = time.time()
+        metrics = trainer.apply_gradients(gather_sums(shares, state.run), max_kl, probe)
+        service.applied()
+        published = _published(trainer.model, trainer.version, trainer.cfg, state.run)
+        # A copy: the state dict holds the optimizer's live tensors, which the cell's next update
+        # changes in place while Dask may still hand this state out (a checkpoint, a resume).
+        optimizer = copy.deepcopy(trainer.optimizer.state_dict())
     metrics["apply_s"] = time.time() - t0
     metrics["train_s"] = sum(s.train_s for s in shares) + metrics["apply_s"]
     metrics["share_workers"] = sorted({s.worker for s in shares})
     metrics["step"] = step
-    # A copy: the state dict holds the optimizer's live tensors, which the cell's next update
-    # changes in place while Dask may still hand this state out (a checkpoint, a resume).
-    return PolicyState(_published(trainer.model, trainer.version, trainer.cfg, state.run),
-                       copy.deepcopy(trainer.optimizer.state_dict()), metrics)
+    return PolicyState(published, optimizer, metrics)
 
 
 def save_checkpoint(published: PublishedWeights, path: str) -> str:

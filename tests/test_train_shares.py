@@ -285,6 +285,16 @@ def test_shares_of_different_versions_are_not_summed():
     assert len(sums) == 2 and sums.take("run", 3, ["b"]).tokens == b.tokens
 
 
+def assert_adam_step(got: np.ndarray, want: torch.Tensor, before: torch.Tensor, grad: torch.Tensor, name: str) -> None:
+    """Weights after Adam's first step as expected where the gradient is clear of Adam's eps (there
+    the step is the learning rate times its sign); elsewhere a gradient summed in another order can
+    move its weight by anything up to that step, and no further."""
+    clear = (grad.abs() > 1e-6).numpy()  # (shape,) bool
+    np.testing.assert_allclose(got[clear], want.numpy()[clear], rtol=1e-4, atol=1e-6, err_msg=name)
+    bound = float((want - before).abs().max()) * (1 + 1e-4) + 1e-7
+    assert np.abs(got - before.numpy()).max() <= bound, name
+
+
 def optimizer_mass(state) -> float:
     return float(sum(v["exp_avg"].abs().sum() for v in state.optimizer["state"].values()))
 
@@ -349,8 +359,6 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
                             allow_other_workers=False).result()
     s = cut.metrics["update_scale"]
     assert s < 1 and cut.metrics["update_kl"] <= bound
-    for (name, _), a, b in zip(ref.model.named_parameters(), w0, w_ref):
-        np.testing.assert_allclose(cut.published.weights[name], (a + s * (b - a)).numpy(), rtol=1e-4, atol=1e-6,
-                                   err_msg=name)
-    for name, p in ref.model.named_parameters():
-        np.testing.assert_allclose(new.published.weights[name], p.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    for (name, p), a, b in zip(ref.model.named_parameters(), w0, w_ref):
+        assert_adam_step(new.published.weights[name], b, a, p.grad, name)
+        assert_adam_step(cut.published.weights[name], a + s * (b - a), a, p.grad, name)

@@ -9,6 +9,7 @@ last (cells join and leave the trainer pool at run time).
 from __future__ import annotations
 
 import copy
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +42,9 @@ class TrainerService(WorkerPlugin):
         self.sums: CellSums | None = None
         """This cell's running gradient sums, one per step (see :mod:`gyreflow.train.reduce`);
         made on the worker (a plugin travels pickled)."""
+        self.lock: threading.Lock | None = None
+        """Held by a task while it uses the replica: one share or update at a time, whatever
+        the cell's thread count and resources (made on the worker)."""
 
     async def setup(self, worker) -> None:
         if self.torch_threads:
@@ -48,6 +52,7 @@ class TrainerService(WorkerPlugin):
 
             torch.set_num_threads(self.torch_threads)
         self.sums = CellSums()
+        self.lock = threading.Lock()
         worker.handlers["gyreflow_grad_take"] = self.take_sum
 
     def take_sum(self, run: str, version: int, keys: list[str]) -> dict:
