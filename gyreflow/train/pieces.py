@@ -25,6 +25,7 @@ import torch
 from gyreflow.train.attention import PastKV, use_segment_attention
 from gyreflow.train.packing import MicroBatch
 
+
 def fits_whole(mb: MicroBatch, size: int) -> bool:
     """Whether ``mb`` trains in one forward: at most ``size`` tokens, or not one causal row."""
     return mb.input_ids.shape[1] <= size or mb.input_ids.shape[0] != 1 or not mb.segments.causal
