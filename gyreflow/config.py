@@ -81,7 +81,7 @@ class RLConfig:
     """Upper PPO clip range ("clip higher"); 0: ``clip_eps``."""
     clip_ratio_c: float = 0.0
     """Dual clip for negative advantages (> 1; 0: off): bounds what a stale token with a large
-    ratio can do. Off by default: on the main job, with ``is_cap`` 2, the policy collapsed by step 6."""
+    ratio can do. Off by default (see the README: with ``is_cap`` 2 it collapsed before the trust region)."""
     is_cap: float = 0.0
     """Truncated importance weight (0: off): a sample drawn by the weights being trained is scored
     on the trainer's own log-prob, weighted by min(trainer / engine probability, ``is_cap``)."""
