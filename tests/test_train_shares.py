@@ -192,12 +192,15 @@ def test_probe_takes_whole_samples_then_a_prefix_within_its_tokens():
     np.testing.assert_array_equal(head.trained, data[2].trained[:k])
     np.testing.assert_array_equal(head.logprobs, data[2].logprobs[:k])
     assert head.n_trained == int(data[2].trained[:k].sum()) > 0
-    # A prefix with nothing trained in it measures nothing: left out.
-    assert probe_of(data, 3) == []
+    # A prefix with nothing trained in it measures nothing; when nothing else fits, the shortest
+    # sample goes whole (an update is never left unmeasured).
+    shortest = min(data, key=lambda s: len(s.tokens))
+    assert probe_of(data, 3) == [shortest]
     # A tree-shaped sample has no prefix sample: skipped when it does not fit whole.
     tree = PathSample(data[3].tokens, data[3].trained, data[3].logprobs, data[3].versions, 0.0,
                       positions=np.arange(len(data[3].tokens)), prev=np.arange(len(data[3].tokens)) - 1)
     assert probe_of([tree, data[0]], n0) == [data[0]]
+    assert probe_of([tree], len(tree.tokens) - 1) == [tree]
     with pytest.raises(ValueError, match="no prefix sample"):
         tree.head(3)
 

@@ -106,8 +106,8 @@ class PathSample:
 
 def probe_of(samples: list[PathSample], max_tokens: int) -> list[PathSample]:
     """Samples to measure an update on, at most ``max_tokens`` tokens forwarded: whole samples in
-    order while they fit; a chain longer than what is left is cut to its first tokens (a tree that
-    does not fit is skipped)."""
+    order while they fit; a chain longer than what is left is cut to its first tokens, a tree that
+    does not fit is skipped. When nothing fits (only larger trees), the smallest sample whole."""
     out, left = [], max_tokens
     for s in samples:
         if left <= 0:
@@ -118,7 +118,11 @@ def probe_of(samples: list[PathSample], max_tokens: int) -> list[PathSample]:
         elif not s.is_tree:
             out.append(s.head(left))
             left = 0
-    return [s for s in out if s.n_trained]
+    out = [s for s in out if s.n_trained]
+    trained = [s for s in samples if s.n_trained]
+    if not out and trained and max_tokens > 0:
+        out = [min(trained, key=lambda s: len(s.tokens))]
+    return out
 
 
 def _advantage(advantage: float | np.ndarray) -> float | np.ndarray:
