@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from gyreflow.bench.trajectories import _git
+from gyreflow.bench.trajectories import _git, _stats
 
 
 def _rss_bytes() -> int:
@@ -49,10 +49,6 @@ def _arm(tokens: int, piece: int, model: dict, seed: int) -> dict:
 def _in_process(*args) -> dict:
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(_arm, args)
-
-
-def _stats(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 def run(tokens: int = 4096, piece: int = 512, repeats: int = 3, model: dict | None = None, seed: int = 0) -> dict:
