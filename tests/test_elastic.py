@@ -198,6 +198,13 @@ async def one_call(req: GenerationRequest):
     return res, router.migrations, router.reroutes
 
 
+async def one_streamed_call(req: GenerationRequest):
+    """:func:`one_call`, also returning the tokens streamed to it while the call ran."""
+    streamed: list[int] = []
+    req.on_token = lambda tok, lp: streamed.append(tok)
+    return *(await one_call(req)), streamed
+
+
 def trainer_task(tag: str, seconds: float) -> dict:
     """A stand-in for a gradient task: where it ran and the cell's role before and after."""
     w = get_worker()
@@ -247,7 +254,7 @@ def test_live_generation_migrates_exactly(client, published, model):
     req = request("migrate-1", 12, seed=123, max_tokens=900)
     base = {n: engine_stats(client, names[n])["tokens_generated"] for n in CELLS}
     before = pools(client)
-    fut = client.submit(one_call, req, key="call-migrate-1", resources=SLOT, pure=False)
+    fut = client.submit(one_streamed_call, req, key="call-migrate-1", resources=SLOT, pure=False)
 
     src = wait_for(lambda: route_of(client, req.session), what="the session's route")
     src_name = next(n for n, a in names.items() if a == src)
@@ -257,7 +264,7 @@ def test_live_generation_migrates_exactly(client, published, model):
     # While it drains, the cell is out of routing and out of the policy's hands.
     assert during["moving"] == [src] and during["routed_to"] == dst
 
-    res, migrations, reroutes = fut.result(timeout=60)
+    res, migrations, reroutes, streamed = fut.result(timeout=60)
     assert entry["migrated"] == 1  # it was still in flight when the cell moved
     assert_same(res, reference(model, [req])[0])
     assert len(res.completion_ids) == 900 and res.finish_reason == "length"
@@ -273,6 +280,9 @@ def test_live_generation_migrates_exactly(client, published, model):
     src_tokens = engine_stats(client, src)["tokens_generated"] - base[src_name]
     dst_tokens = engine_stats(client, dst)["tokens_generated"] - base[dst_name]
     assert src_tokens >= 8 and src_tokens + dst_tokens == 900
+    # Its tokens were streamed to the caller from both engines, in order, none twice (the last
+    # batch may arrive after the reply: the reply is authoritative).
+    assert streamed == res.completion_ids[: len(streamed)].tolist() and len(streamed) > src_tokens
 
 
 def test_cell_dying_mid_migration_loses_nothing(client, published, model):

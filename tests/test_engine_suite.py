@@ -457,6 +457,22 @@ class EngineTests:
         assert [t for t, _ in streamed] == result.completion_ids.tolist()
         np.testing.assert_array_equal(np.asarray([lp for _, lp in streamed], np.float32), result.logprobs)
 
+    def test_imported_request_streams_the_tokens_after_the_move(self, model):
+        before: list[int] = []
+        after: list[int] = []
+        r = req("stream-moving", 9, 181, temperature=1.0, max_tokens=30)
+        r.on_token = lambda tok, lp: before.append(tok)
+        src = self.make_engine(model, name="src")
+        src.submit(r)
+        for _ in range(4):
+            src.step()
+        state = src.export_request("stream-moving")
+        assert before == state.completion_ids.tolist() and before  # nothing streamed that did not happen
+        dst = self.make_engine(model, name="dst")
+        result = run_all(dst, [dst.import_request(state, on_token=lambda tok, lp: after.append(tok))])[0]
+        assert len(after) == 30 - len(before)
+        assert before + after == result.completion_ids.tolist()
+
     # 9. constrained decoding
 
     def test_constraint_holds_from_an_untrained_policy(self, model):

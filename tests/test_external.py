@@ -5,6 +5,7 @@ in-process engine; each workspace is graded as the program left it."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -22,7 +23,7 @@ from gyreflow.cluster.local import PoolSpec, cells_of, install, local_cluster
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT
 from gyreflow.engine.base import GenerationRequest, SamplingParams
 from gyreflow.engine.torch_engine import TorchEngine
-from gyreflow.model import build_policy, state_dict_numpy
+from gyreflow.model import build_policy, build_tokenizer, state_dict_numpy
 from gyreflow.model.chat import END_ID
 from gyreflow.stages import publish_weights, run_execution
 from gyreflow.train.state import PublishedWeights
@@ -91,6 +92,31 @@ def test_example_agent_runs_as_an_external_execution(client, model, tasks):
     assert result.reward == 0.0 and not result.passed  # an untrained policy leaves add() unwritten
     assert [t["command"] for t in result.metrics["tests"]] == list(tasks["add"].tests)
     check_against_reference(model, result, seed=11, max_tokens=24)
+
+
+def test_stream_from_a_remote_engine_carries_tokens_as_they_are_sampled(client, tasks, tmp_path):
+    """The engine is on another worker: the program's stream still shows text while the call runs,
+    and the pieces make up exactly the recorded completion."""
+    arrivals = tmp_path / "arrivals.json"
+    code = f"""
+        import json, os, time, openai
+        c = openai.OpenAI()
+        t0, seen = time.monotonic(), []
+        for ch in c.chat.completions.create(model=os.environ["OPENAI_MODEL"], max_tokens=400, stream=True,
+                                            messages=[{{"role": "user", "content": "go on"}}],
+                                            extra_body={{"ignore_eos": True}}):
+            if ch.choices and ch.choices[0].delta.content:
+                seen.append((time.monotonic() - t0, ch.choices[0].delta.content))
+        json.dump(seen, open({str(arrivals)!r}, "w"))
+    """
+    result = client.submit(run_execution, tasks["add"], ExternalAgent(command=program(code), max_tokens_per_call=400),
+                           "ext-stream", 0, 0, 3, key="ext-stream", resources=SLOT, pure=False).result()
+    assert result.end_reason == "done" and len(result.calls) == 1, result.metrics
+    rec = result.calls[0]
+    assert len(rec.completion_ids) == 400
+    seen = json.loads(arrivals.read_text())
+    assert "".join(text for _, text in seen) == build_tokenizer().decode(rec.completion_ids, skip_special_tokens=True)
+    assert len(seen) > 50 and seen[0][0] < 0.25 * seen[-1][0]
 
 
 def test_workspace_is_graded_as_left(client, model, tasks):

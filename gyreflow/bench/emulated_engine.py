@@ -211,12 +211,13 @@ class EmulatedEngine(WorkSignal):
             self._work.notify_all()
         return req.future
 
-    def import_request(self, state: LiveRequestState) -> Future:
+    def import_request(self, state: LiveRequestState, on_token=None) -> Future:
         """Resume a request exported by :meth:`export_request` (of this or another emulated engine).
 
         It waits ``handoff_s`` (emulated; only it), then goes ahead of requests that never started;
         its KV covers ``state.kv.size // kv_bytes_per_token`` tokens, which it does not prefill
         again. The future resolves to the full result, counting the tokens made before the move.
+        Emulated tokens are not streamed: ``on_token`` is never called, here or in :meth:`submit`.
         """
         context = self._context(state.request_id, state.prompt_ids)
         completion = np.asarray(state.completion_ids).reshape(-1)

@@ -11,6 +11,9 @@ No call waits without bound: while a call is out, the router asks its engine eve
 where the request stands. An engine whose worker cannot be reached or has left the cluster, or that
 no longer knows the request, counts as lost: the call is sent again elsewhere. An engine that is
 only slow to answer is waited for, so no call runs twice.
+
+A request with an ``on_token`` gets its tokens as the engine samples them, wherever it runs
+(:mod:`gyreflow.engine.streams`), on this worker's event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from distributed import get_worker
 from distributed.utils import sync
 
 from gyreflow.engine.base import GenerationRequest, GenerationResult
+from gyreflow.engine.streams import token_sink
 from gyreflow.engine.wire import msg_to_result, request_to_msg
 
 
@@ -160,10 +164,14 @@ class Router:
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Serve one request from a coroutine (an ``async def`` Dask task)."""
-        return msg_to_result(await self.agenerate_msg(request_to_msg(request)))
+        msg = request_to_msg(request)
+        if request.on_token is None:
+            return msg_to_result(await self.agenerate_msg(msg))
+        with token_sink(self.worker, request.request_id, request.on_token) as here:
+            return msg_to_result(await self.agenerate_msg(msg | {"stream_to": here}))
 
     def __call__(self, request: GenerationRequest) -> GenerationResult:
-        return msg_to_result(sync(self.worker.loop, self.agenerate_msg, request_to_msg(request)))
+        return sync(self.worker.loop, self.agenerate, request)
 
     async def aclose(self) -> None:
         await self.worker.scheduler.gyreflow_release(session=self.session)

@@ -93,8 +93,8 @@ class EngineRunner:
     def export_request(self, request_id: str) -> LiveRequestState:
         return self.engine.export_request(request_id)
 
-    def import_request(self, state: LiveRequestState) -> Future:
-        return self.engine.import_request(state)
+    def import_request(self, state: LiveRequestState, on_token=None) -> Future:
+        return self.engine.import_request(state, on_token=on_token)
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "runner_alive": self.running}

@@ -20,6 +20,9 @@ over Dask comms:
 ``gyreflow_abort(request_id)``
     Drop a request its caller gave up on.
 
+A request message that names ``stream_to`` (the caller's worker) has its tokens sent there as
+they are sampled, on this engine and on any engine it migrates to (:mod:`gyreflow.engine.streams`).
+
 A migration never loses a request: whatever fails, each exported request ends up on a destination
 that confirmed it or back in this engine (:meth:`EngineService._migrate`).
 """
@@ -36,6 +39,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from gyreflow.engine.base import RequestExported
 from gyreflow.engine.runner import EngineRunner
+from gyreflow.engine.streams import TokenSender
 from gyreflow.engine.wire import msg_to_request, msg_to_state, result_to_msg, state_nbytes, state_to_msg
 from gyreflow.faults import FAULTS
 
@@ -90,6 +94,8 @@ class EngineService(WorkerPlugin):
         """request id -> (session, state, wall time it took that state)."""
         self._seen: dict[str, float] = {}
         """session -> wall time of its last event here."""
+        self._stream_to: dict[str, str] = {}
+        """request id -> the worker its tokens are streamed to, for the requests here that stream."""
         self._migrating: asyncio.Lock | None = None
         self.migrated_out = 0
         self.migrated_in = 0
@@ -173,6 +179,7 @@ class EngineService(WorkerPlugin):
             return {"reroute": True, "unready": True}
         try:
             req = msg_to_request(request)
+            req.on_token = self._sender(req.request_id, request.get("stream_to"), 0)
             fut = self.runner.submit(req)
         except ValueError as err:  # the request itself is wrong: another engine would refuse it too
             return {"error": f"{type(err).__name__}: {err}", "refused": True}
@@ -183,6 +190,7 @@ class EngineService(WorkerPlugin):
             return await self._outcome(req.request_id, fut, req.session)
         finally:
             self._session_of.pop(req.request_id, None)
+            self._stream_to.pop(req.request_id, None)
 
     async def resume(self, request_id: str) -> dict:
         """The outcome of a request this cell imported."""
@@ -190,7 +198,17 @@ class EngineService(WorkerPlugin):
         if fut is None:
             return {"error": f"no imported request {request_id!r} on {self.worker.address}"}
         session = self._state.get(request_id, (None,))[0]
-        return await self._outcome(request_id, fut, session)
+        try:
+            return await self._outcome(request_id, fut, session)
+        finally:
+            self._stream_to.pop(request_id, None)
+
+    def _sender(self, request_id: str, dest: str | None, offset: int):
+        """The ``on_token`` of a request whose tokens go to ``dest`` (``None``: it does not stream)."""
+        if not dest:
+            return None
+        self._stream_to[request_id] = dest
+        return TokenSender(self.worker, dest, request_id, offset).push
 
     async def import_states(self, states: list[dict]) -> dict:
         """Resume migrated requests here, all or none, and tell the scheduler where they now live.
@@ -206,7 +224,8 @@ class EngineService(WorkerPlugin):
         try:
             for msg in states:
                 state = msg_to_state(msg)
-                self._imported[state.request_id] = self.runner.import_request(state)
+                on_token = self._sender(state.request_id, msg.get("stream_to"), len(state.completion_ids))
+                self._imported[state.request_id] = self.runner.import_request(state, on_token=on_token)
                 done.append(state.request_id)
                 self._note(state.request_id, state.session, "imported")
                 await FAULTS.trip("during_import")
@@ -215,6 +234,7 @@ class EngineService(WorkerPlugin):
         except Exception as err:
             for rid in done:  # roll back: the sender keeps every one of them
                 self._imported.pop(rid, None)
+                self._stream_to.pop(rid, None)
                 self._note(rid, None, None)
                 try:
                     self.runner.export_request(rid)
@@ -302,7 +322,7 @@ class EngineService(WorkerPlugin):
 
                 async def send(dest: str, batch: list) -> None:
                     try:
-                        out = await self.worker.rpc(dest).gyreflow_import(states=[state_to_msg(s) for s in batch])
+                        out = await self.worker.rpc(dest).gyreflow_import(states=[self._state_msg(s) for s in batch])
                     except OSError:  # it may have taken them before the line failed: they must not run twice
                         await self._unsend(dest, [s.request_id for s in batch])
                         return
@@ -329,6 +349,12 @@ class EngineService(WorkerPlugin):
                    "seconds": time.perf_counter() - t0}
             return out | ({"error": error} if error else {})
 
+    def _state_msg(self, state) -> dict:
+        msg = state_to_msg(state)
+        if state.request_id in self._stream_to:
+            msg["stream_to"] = self._stream_to[state.request_id]
+        return msg
+
     async def _unsend(self, dest: str, request_ids: list[str]) -> None:
         """Withdraw requests from ``dest`` after an import whose reply was lost (best effort: a
         destination that cannot be reached cannot run them either)."""
@@ -344,7 +370,8 @@ class EngineService(WorkerPlugin):
         out: dict = {}
         for s in states:
             try:
-                self._imported[s.request_id] = self.runner.import_request(s)
+                on_token = self._sender(s.request_id, self._stream_to.get(s.request_id), len(s.completion_ids))
+                self._imported[s.request_id] = self.runner.import_request(s, on_token=on_token)
                 out[s.request_id] = self.worker.address
             except Exception as err:
                 out[s.request_id] = err
@@ -367,6 +394,7 @@ class EngineService(WorkerPlugin):
     def abort(self, request_id: str) -> dict:
         """Drop a request its caller gave up on (it is run again elsewhere)."""
         self._imported.pop(request_id, None)
+        self._stream_to.pop(request_id, None)
         self._note(request_id, None, None)
         if self.runner is not None:
             try:

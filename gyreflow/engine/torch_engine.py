@@ -239,11 +239,12 @@ class TorchEngine(WorkSignal):
         self._enqueue(req, front=False)
         return req.future
 
-    def import_request(self, state: LiveRequestState) -> Future:
+    def import_request(self, state: LiveRequestState, on_token=None) -> Future:
         """Resume a request exported by ``export_request`` (of this or another engine).
 
         It continues ahead of requests that never started. The future resolves to the full
-        result: the completion includes the tokens sampled before the move.
+        result: the completion includes the tokens sampled before the move. ``on_token`` is
+        called as for :attr:`GenerationRequest.on_token`, for the tokens sampled from here on.
         """
         prompt = np.asarray(state.prompt_ids, dtype=np.int32).reshape(-1).copy()
         completion = np.asarray(state.completion_ids, dtype=np.int32).reshape(-1)
@@ -276,6 +277,7 @@ class TorchEngine(WorkSignal):
             prefix_reused=int(state.prefix_reused),
             kv_in=kv if n_kv else None,
             priority=IMPORTED_PRIORITY,
+            on_token=on_token,
         )
         if state.params.constraint is not None:
             req.template = Template.from_spec(state.params.constraint)
