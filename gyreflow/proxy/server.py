@@ -201,7 +201,13 @@ class Generate(_Handler):
         if stream is not None and stream.sent:
             # The rest of the stream, from the reply less the text already sent.
             reply_view = copy.copy(reply)
-            reply_view.content = stream.rest(reply.content)
+            try:
+                reply_view.content = stream.rest(reply.content)
+            except RuntimeError as err:  # a call run again elsewhere sampled other tokens
+                self.write(sse(ApiError(502, f"the call's stream cannot be completed: {err}", type="server_error")
+                               .body(), "error" if self.endpoint == "responses" else None))
+                self.finish()
+                return
             payloads = list(events(reply_view, spec, self.proxy.card))[1 if opened else 0:]
         else:
             payloads = list(events(reply, spec, self.proxy.card))
