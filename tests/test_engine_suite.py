@@ -591,6 +591,17 @@ class TestTorchEngine(EngineTests):
             for a, b in zip(slots, generate(self.make_engine(model, max_seq_len=512), requests)):
                 assert_same(a, b)
 
+    def test_peak_live_tokens_fit_the_peak_live_blocks(self, model):
+        lengths = (30, 45, 70)
+        engine = self.make_engine(model, retain_sessions=0)
+        results = generate(engine, [req(f"pk{n}", n, 200 + n, max_tokens=40) for n in lengths])
+        s = engine.stats()
+        blocks, tokens = s["kv_peak_live_blocks"], s["kv_peak_live_tokens"]
+        # At the peak every request was live, each in its own blocks, rounded up by less than one.
+        assert blocks <= sum(-(-(len(r.prompt_ids) + len(r.completion_ids) - 1) // self.block) for r in results)
+        assert (blocks - len(lengths)) * self.block < tokens <= blocks * self.block + len(lengths)
+        assert tokens <= sum(len(r.prompt_ids) + len(r.completion_ids) for r in results)
+
     def test_blocks_are_freed_and_shared(self, model):
         engine = self.make_engine(model, retain_sessions=1)
         first = generate(engine, [req("f", 40, 170, session="s", max_tokens=9)])[0]

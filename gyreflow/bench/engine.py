@@ -8,7 +8,8 @@ kv_memory_ratio
     slot per request, on the agent workload (native agent loop, concurrent executions, equal
     ``max_batch``): the memory that concurrency needs. ``kv_memory_ratio_with_retained`` counts
     the finished sessions kept for prefix reuse as well (an evictable cache when paged, reserved
-    slots when not).
+    slots when not). ``kv_memory_floor_ratio`` is the paged arm's live tokens at its peak against
+    the slots: what any layout that holds each live request's tokens and nothing more would need.
 short_context_tokens_per_s_ratio
     Tokens/s of the same agent workload (short contexts), paged vs slots.
 ttft_chunked_ratio
@@ -85,7 +86,9 @@ def agent_round(model, paged: bool, executions: int, seed: int) -> dict:
     s = engine.stats()
     return {"seconds": elapsed, "tokens_per_s": s["tokens_generated"] / elapsed,
             "peak_kv_bytes": s["kv_peak_live_blocks"] * s["kv_bytes_per_block"],
-            "peak_kv_bytes_with_retained": s["kv_peak_blocks"] * s["kv_bytes_per_block"], "tokens": s["tokens_generated"]}
+            "peak_kv_bytes_with_retained": s["kv_peak_blocks"] * s["kv_bytes_per_block"], "tokens": s["tokens_generated"],
+            "peak_live_tokens": s["kv_peak_live_tokens"],
+            "peak_live_token_bytes": s["kv_peak_live_tokens"] * s["kv_bytes_per_block"] // s["kv_block_size"]}
 
 
 def ttft_round(model, chunked: bool, long_tokens: int) -> float:
@@ -148,7 +151,8 @@ def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 
             r = agent_round(policy, paged, executions, seed=rep)
             rounds[arm].append(r)
             log(f"  agent workload, {arm}: {r['tokens_per_s']:,.0f} tokens/s, peak live KV {r['peak_kv_bytes'] / 2**20:,.1f} MiB "
-                f"({r['peak_kv_bytes_with_retained'] / 2**20:,.1f} MiB with retained sessions)")
+                f"({r['peak_kv_bytes_with_retained'] / 2**20:,.1f} MiB with retained sessions; "
+                f"{r['peak_live_tokens']:,} live tokens at the peak)")
         for chunked in (True, False):
             s = ttft_round(long_policy, chunked, long_tokens)
             rounds["ttft_chunked" if chunked else "ttft_unchunked"].append(s)
@@ -158,6 +162,7 @@ def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 
             rounds[f"migration_{c}"].append((m, p))
             log(f"  context {c:,}: migration {m:.3f} s, re-prefill {p:.3f} s")
     memory = [p["peak_kv_bytes"] / s["peak_kv_bytes"] for p, s in zip(rounds["paged"], rounds["slots"])]
+    floor = [p["peak_live_token_bytes"] / s["peak_kv_bytes"] for p, s in zip(rounds["paged"], rounds["slots"])]
     retained = [p["peak_kv_bytes_with_retained"] / s["peak_kv_bytes_with_retained"]
                 for p, s in zip(rounds["paged"], rounds["slots"])]
     speed = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(rounds["paged"], rounds["slots"])]
@@ -171,6 +176,7 @@ def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 
                     "long_tokens": long_tokens, "long_policy": LONG_CONTEXT.asdict()},
         "kv_memory_ratio": _spread(memory),
         "kv_memory_ratio_with_retained": _spread(retained),
+        "kv_memory_floor_ratio": _spread(floor),
         "short_context_tokens_per_s_ratio": _spread(speed),
         "ttft_chunked_ratio": _spread(ttft),
         "migration_vs_reprefill": {c: v["mean"] for c, v in migration.items()},
@@ -181,7 +187,8 @@ def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 
 
 def format_engine(out: dict) -> str:
     lines = [f"engine bench: {out['repeats']} round(s), git {out['git']}"]
-    for key in ("kv_memory_ratio", "kv_memory_ratio_with_retained", "short_context_tokens_per_s_ratio",
+    for key in ("kv_memory_ratio", "kv_memory_ratio_with_retained", "kv_memory_floor_ratio",
+                "short_context_tokens_per_s_ratio",
                 "ttft_chunked_ratio"):
         v = out[key]
         lines.append(f"{key}: {v['mean']:.3f}x (min {v['min']:.3f}, max {v['max']:.3f})")

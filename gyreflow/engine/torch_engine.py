@@ -192,6 +192,8 @@ class TorchEngine(WorkSignal):
         self._blocks = BlockAllocator(int(kv_blocks), block, self.retain_sessions, share_last_block=kv_block_size is not None)
         self._key_width = self.spec.num_kv_heads * self.spec.head_dim
         self._peak_live_blocks = 0
+        self._peak_live_tokens = 0
+        """Tokens the live requests held when their blocks peaked (what an exact layout would hold)."""
         self._live_grew = False
 
         # _lock guards the queue, the id table, staged weights and finished futures; _step_lock is
@@ -485,7 +487,9 @@ class TorchEngine(WorkSignal):
         """Update the peak of blocks held by live requests (it can only rise when tables grew)."""
         if self._live_grew:
             live = len({b for r in self._rows for b in self._blocks.table(r.request_id)})
-            self._peak_live_blocks = max(self._peak_live_blocks, live)
+            if live > self._peak_live_blocks:
+                self._peak_live_blocks = live
+                self._peak_live_tokens = sum(len(r.seq) for r in self._rows)
             self._live_grew = False
 
     def _tables(self, rows: list[_Request], n_tokens: int) -> tuple[torch.Tensor, slice | None]:
@@ -744,6 +748,7 @@ class TorchEngine(WorkSignal):
                 kv_blocks_used=self._blocks.used,
                 kv_peak_blocks=self._blocks.peak_used,
                 kv_peak_live_blocks=self._peak_live_blocks,
+                kv_peak_live_tokens=self._peak_live_tokens,
                 kv_bytes_per_block=self._kv.bytes_per_block,
             )
         return out
