@@ -182,8 +182,10 @@ class EngineService(WorkerPlugin):
             req.on_token = self._sender(req.request_id, request.get("stream_to"), 0)
             fut = self.runner.submit(req)
         except ValueError as err:  # the request itself is wrong: another engine would refuse it too
+            self._stream_to.pop(request.get("request_id"), None)
             return {"error": f"{type(err).__name__}: {err}", "refused": True}
         except Exception as err:
+            self._stream_to.pop(request.get("request_id"), None)
             return {"error": f"{type(err).__name__}: {err}"}
         self._session_of[req.request_id] = req.session
         try:
