@@ -44,7 +44,8 @@ class GenerationRequest:
     on_token: Callable[[int, float], None] | None = field(default=None, repr=False, compare=False)
     """Called with (token id, log-prob) as each token is sampled, on the engine's thread (keep it
     short). It stays in the process that submitted the request: the wire format and an exported
-    request's state leave it out."""
+    request's state leave it out; the router relays an engine's tokens to it over Dask
+    (:mod:`gyreflow.engine.streams`), on the caller's event loop."""
 
 
 class WorkSignal:
