@@ -50,6 +50,9 @@ def test_every_mode_side_by_side(tmp_path):
     for run in fig["runs"]:
         assert run["emulated_s"] == run["wall_s"] * TINY["time_scale"]
         assert run["stalls"] == [] and run["moves_failed"] == 0
+        # Each step's longest execution: no schedule runs it faster than alone on a cell.
+        assert [x["step"] for x in run["longest"]] == list(range(TINY["steps"]))
+        assert all(x["took_s"] >= 0.99 * x["alone_s"] > 0 for x in run["longest"]), run["longest"]
     assert fig["modes"]["colocated"]["max_staleness"] == 0
     assert fig["modes"]["async_user"]["max_staleness"] <= 1 and fig["modes"]["elastic"]["max_staleness"] <= 1
     assert fig["modes"]["async_user"]["moves"]["max"] == 0
@@ -97,5 +100,10 @@ def test_a_workload_with_a_known_best_mode_gets_it():
     assert 162 * 0.97 <= m["colocated"] <= 162 * 1.3
     assert out["modes"]["async_user"]["split"] == "1:2"  # the first step's work: half rollout, half training
     assert 362 * 0.97 <= m["async_user"] <= 362 * 1.3
+    # With a = 0 an execution among k on its cell takes k times as long as alone: colocated runs
+    # the 6 executions 2 to a cell, 1:2 all 6 on its one rollout cell.
+    stretch = {arm: v["longest_stretch"]["mean"] for arm, v in out["modes"].items()}
+    assert 2 * 0.97 <= stretch["colocated"] <= 2 * 1.3
+    assert 6 * 0.97 <= stretch["async_user"] <= 6 * 1.3
     # The bounds are those of the colocated schedule, which no placement can beat here.
     assert out["lower_bound_s"] == pytest.approx(162, rel=0.01)

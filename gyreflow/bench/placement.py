@@ -267,7 +267,25 @@ class _Run:
             "lost_calls": int(sum(r.get("lost", 0) for r in results)),
             "prefill_tokens": int(sum(s.get("prefill_tokens", 0) for s in engines.values())),
             "engine_resolve_lag_emulated_s": statistics.mean([s.get("mean_resolve_lag_s", 0.0) for s in engines.values()] or [0.0]),
+            "longest": self._longest(results),
         }
+
+    def _longest(self, results: list[dict]) -> list[dict]:
+        """Per step, its longest execution (by its duration alone on a cell): when it started and how
+        long it took in this run, against alone. Its stretch is what keeps a run above the bound."""
+        w, scale = self.w, self.w.time_scale
+        specs = {e.execution_id: e for k in range(w.steps) for e in w.executions(k)}
+        out = []
+        for k in range(w.steps):
+            mine = [r for r in results if r["step"] == k and r["execution_id"] in specs]
+            if not mine:
+                continue
+            r = max(mine, key=lambda r: w.min_execution_s(specs[r["execution_id"]]))
+            alone = w.min_execution_s(specs[r["execution_id"]])
+            took = (r["end"] - r["start"]) * scale
+            out.append({"step": k, "start_s": (r["start"] - self.t0) * scale, "took_s": took, "alone_s": alone,
+                        "stretch": took / alone if alone > 0 else float("nan")})
+        return out
 
 
 def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=print, options: dict | None = None,
@@ -369,6 +387,8 @@ def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, ca
                              **{k: _spread([x[k] for x in xs]) for k in ("emulated_s", "wall_s", "utilization", "moves",
                                                                          "migrations", "cpu_load")},
                              "max_staleness": max(x["max_staleness"] for x in xs),
+                             "longest_stretch": _spread([statistics.mean(y["stretch"] for y in x["longest"]) for x in xs
+                                                         if x.get("longest")] or [float("nan")]),
                              "executions": xs[0]["executions"], "unique_executions": min(x["unique_executions"] for x in xs),
                              "tokens": xs[0]["tokens"]}
     out["lower_bound_s"] = lb["lower_bound_s"]

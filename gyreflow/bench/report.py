@@ -22,21 +22,28 @@ def _pm(s: dict, fmt: str = ",.0f") -> str:
     return f"{s['mean']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
 
 
+def _stretch(m: dict) -> str:
+    """The arm's mean stretch of each step's longest execution (JSONs from before it: a dash)."""
+    v = m.get("longest_stretch", {}).get("mean")
+    return "–" if v is None or v != v else f"{v:.2f}"
+
+
 def format_placement(out: dict) -> str:
     """The benchmark's figures for a terminal."""
     lines = [f"\nworkload {out['workload']}: {out['repeats']} repeat(s), git {out['git']}",
              f"{'arm':<13} {'split':>6} {'emulated s (min-max)':>30} {'wall s':>8} {'util':>5} {'moves':>6} {'migr':>6} "
-             f"{'cpu':>5}"]
+             f"{'cpu':>5} {'stretch':>7}"]
     for arm, m in out["modes"].items():
         lines.append(f"{arm:<13} {m['split']:>6} {_pm(m['emulated_s']):>30} {m['wall_s']['mean']:8.1f} "
                      f"{m['utilization']['mean']:5.2f} {m['moves']['mean']:6.0f} {m['migrations']['mean']:6.0f} "
-                     f"{m.get('cpu_load', {}).get('max', float('nan')):5.2f}")
+                     f"{m.get('cpu_load', {}).get('max', float('nan')):5.2f} {_stretch(m):>7}")
     if out.get("oracle_splits"):
         tried = ", ".join(f"{k}: {v['mean']:,.0f} s" for k, v in out["oracle_splits"].items())
         lines.append(f"async splits tried (emulated, mean): {tried}; oracle {out['oracle_split']}")
     if out.get("first_step"):
         f = out["first_step"]
         lines.append(f"user's first step: rollout {f['rollout_s']:,.0f} s, training {f['train_s']:,.0f} s")
+    lines.append("stretch: each step's longest execution's duration in the run / its duration alone, mean over steps")
     lb = out["lower_bound"]
     lines.append(f"lower bound: {out['lower_bound_s']:,.0f} s emulated (critical path {lb['critical_path_s']:,.0f} s, "
                  f"total work {lb['total_work_s']:,.0f} s); batching-aware bound {out['batched_bound_s']:,.0f} s")
@@ -47,12 +54,14 @@ def format_placement(out: dict) -> str:
 
 def markdown_tables(outs: list[dict]) -> str:
     """The README's placement tables from benchmark JSONs (one per workload)."""
-    lines = ["| workload | arm | split | emulated s, mean (min–max) | wall s | utilization | moves | migrations |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| workload | arm | split | emulated s, mean (min–max) | wall s | utilization | moves | migrations "
+             "| longest execution, x alone |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for out in outs:
         for arm, m in out["modes"].items():
             lines.append(f"| {out['workload']} | {arm} | {m['split']} | {_pm(m['emulated_s'])} | {m['wall_s']['mean']:.0f} | "
-                         f"{m['utilization']['mean']:.2f} | {m['moves']['mean']:.0f} | {m['migrations']['mean']:.0f} |")
+                         f"{m['utilization']['mean']:.2f} | {m['moves']['mean']:.0f} | {m['migrations']['mean']:.0f} | "
+                         f"{_stretch(m)} |")
     lines += ["", "| ratio | " + " | ".join(o["workload"] for o in outs) + " |",
               "| --- | " + " | ".join("---:" for _ in outs) + " |"]
     for key, label in RATIO_LABELS.items():
