@@ -24,7 +24,6 @@ migration_vs_reprefill
 from __future__ import annotations
 
 import pickle
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from gyreflow.bench.report import git_revision
+from gyreflow.bench.report import git_revision, spread
 from gyreflow.engine.base import GenerationRequest, SamplingParams
 from gyreflow.engine.runner import EngineRunner
 from gyreflow.engine.torch_engine import TorchEngine
@@ -60,9 +59,6 @@ class FirstTokens:
             for rid in request_ids:
                 self.at.setdefault(rid, now)
 
-
-def _spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
 def agent_round(model, paged: bool, executions: int, seed: int) -> dict:
@@ -167,18 +163,18 @@ def run_engine_bench(repeats: int = 3, executions: int = 96, long_tokens: int = 
                 for p, s in zip(rounds["paged"], rounds["slots"])]
     speed = [p["tokens_per_s"] / s["tokens_per_s"] for p, s in zip(rounds["paged"], rounds["slots"])]
     ttft = [c / u for c, u in zip(rounds["ttft_chunked"], rounds["ttft_unchunked"])]
-    migration = {str(c): _spread([m / p for m, p in rounds[f"migration_{c}"]]) for c in contexts}
+    migration = {str(c): spread([m / p for m, p in rounds[f"migration_{c}"]]) for c in contexts}
     return {
         "git": git_revision(),
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "options": {"agent": {**agent_options(), "executions": executions, "paged_block": 64},
                     "long_tokens": long_tokens, "long_policy": LONG_CONTEXT.asdict()},
-        "kv_memory_ratio": _spread(memory),
-        "kv_memory_ratio_with_retained": _spread(retained),
-        "kv_memory_floor_ratio": _spread(floor),
-        "short_context_tokens_per_s_ratio": _spread(speed),
-        "ttft_chunked_ratio": _spread(ttft),
+        "kv_memory_ratio": spread(memory),
+        "kv_memory_ratio_with_retained": spread(retained),
+        "kv_memory_floor_ratio": spread(floor),
+        "short_context_tokens_per_s_ratio": spread(speed),
+        "ttft_chunked_ratio": spread(ttft),
         "migration_vs_reprefill": {c: v["mean"] for c, v in migration.items()},
         "migration_vs_reprefill_spread": migration,
         "rounds": {k: v for k, v in rounds.items()},

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from gyreflow.bench.trajectories import _git, _stats
+from gyreflow.bench.report import git_revision, spread
 
 
 def _rss_bytes() -> int:
@@ -64,13 +64,13 @@ def run(tokens: int = 4096, piece: int = 512, repeats: int = 3, model: dict | No
     memory = [w["peak_bytes"] / p["peak_bytes"] for w, p in zip(runs["whole"], runs["pieces"])]
     time_ratio = [p["seconds"] / w["seconds"] for w, p in zip(runs["whole"], runs["pieces"])]
     return {
-        "git": _git(),
+        "git": git_revision(),
         "options": {"tokens": tokens, "piece": piece, "repeats": repeats, "model": model, "threads": 1},
         "whole": runs["whole"], "pieces": runs["pieces"],
         "grad_norm_rel_diff": max(abs(w["grad_norm"] - p["grad_norm"]) / w["grad_norm"]
                                   for w, p in zip(runs["whole"], runs["pieces"])),
-        "long_path_peak_memory_ratio": _stats(memory),
-        "long_path_time_ratio": _stats(time_ratio),
+        "long_path_peak_memory_ratio": spread(memory, runs=True),
+        "long_path_time_ratio": spread(time_ratio, runs=True),
     }
 
 

@@ -40,7 +40,7 @@ from functools import partial
 from distributed import Client, wait
 
 from gyreflow.bench.bounds import batched_bound, lower_bound
-from gyreflow.bench.report import git_revision
+from gyreflow.bench.report import git_revision, spread
 from gyreflow.bench.emulated_engine import emulated_engine_factory
 from gyreflow.bench.stages import (
     emulated_execution,
@@ -297,9 +297,6 @@ def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=prin
 # ---------------------------------------------------------------------------------------- the benchmark
 
 
-def _spread(values: list[float]) -> dict:
-    return {"mean": statistics.mean(values), "min": min(values), "max": max(values)}
-
 
 def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tuple[int, int]] | None = None,
               log=print, execution_workers: int = 2) -> dict:
@@ -380,14 +377,14 @@ def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, ca
         best = min(full, key=lambda s: statistics.mean(x["emulated_s"] for x in full[s]))
         by_arm["async_oracle"] = {x["repeat"]: x for x in full[best]}
         out["oracle_split"] = best
-        out["oracle_splits"] = {s: _spread([x["emulated_s"] for x in xs]) for s, xs in sorted(per_split.items())}
+        out["oracle_splits"] = {s: spread([x["emulated_s"] for x in xs]) for s, xs in sorted(per_split.items())}
     for arm, reps in by_arm.items():
         xs = list(reps.values())
         out["modes"][arm] = {"split": xs[0]["split"], "mode": xs[0]["mode"],
-                             **{k: _spread([x[k] for x in xs]) for k in ("emulated_s", "wall_s", "utilization", "moves",
+                             **{k: spread([x[k] for x in xs]) for k in ("emulated_s", "wall_s", "utilization", "moves",
                                                                          "migrations", "cpu_load")},
                              "max_staleness": max(x["max_staleness"] for x in xs),
-                             "longest_stretch": _spread([statistics.mean(y["stretch"] for y in x["longest"]) for x in xs
+                             "longest_stretch": spread([statistics.mean(y["stretch"] for y in x["longest"]) for x in xs
                                                          if x.get("longest")] or [float("nan")]),
                              "executions": xs[0]["executions"], "unique_executions": min(x["unique_executions"] for x in xs),
                              "tokens": xs[0]["tokens"]}
@@ -400,8 +397,8 @@ def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, ca
         for name, arm in BASELINES.items():
             if arm in by_arm:
                 common = sorted(set(el) & set(by_arm[arm]))
-                ratios[name] = _spread([by_arm[arm][r]["emulated_s"] / el[r]["emulated_s"] for r in common])
-        ratios["elastic_vs_lower_bound"] = _spread([x["emulated_s"] / lb["lower_bound_s"] for x in el.values()])
-        ratios["elastic_vs_batched_bound"] = _spread([x["emulated_s"] / bb["batched_bound_s"] for x in el.values()])
+                ratios[name] = spread([by_arm[arm][r]["emulated_s"] / el[r]["emulated_s"] for r in common])
+        ratios["elastic_vs_lower_bound"] = spread([x["emulated_s"] / lb["lower_bound_s"] for x in el.values()])
+        ratios["elastic_vs_batched_bound"] = spread([x["emulated_s"] / bb["batched_bound_s"] for x in el.values()])
     out["ratios"] = ratios
     return out

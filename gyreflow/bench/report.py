@@ -1,9 +1,11 @@
-"""The placement benchmark's figures as text: a terminal table, and the README's tables (generated
-from the benchmark's JSON, never typed in)."""
+"""Benchmark figures: spreads and the git revision for every benchmark's JSON; the placement
+benchmark's figures as text (a terminal table, and the README's tables, generated from its JSON,
+never typed in)."""
 
 from __future__ import annotations
 
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -15,6 +17,12 @@ RATIO_LABELS = {
     "elastic_vs_lower_bound": "elastic / lower bound",
     "elastic_vs_batched_bound": "elastic / batching-aware bound",
 }
+
+
+def spread(values: list[float], runs: bool = False) -> dict:
+    """``{"mean", "min", "max"}`` of repeated measurements (and the values, with ``runs``)."""
+    out = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+    return out | {"runs": list(values)} if runs else out
 
 
 def _pm(s: dict, fmt: str = ",.0f") -> str:

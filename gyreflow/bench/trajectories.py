@@ -30,14 +30,13 @@ Each timing is repeated, the arms interleaved; the JSON gives mean, min and max.
 from __future__ import annotations
 
 import json
-import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gyreflow.bench.report import git_revision, spread
 from gyreflow.model.policy import ModelConfig, build_policy
 from gyreflow.train.packing import PathSample
 from gyreflow.train.trainer import OptimConfig, Trainer
@@ -186,13 +185,13 @@ def archive_io(executions: list[ExecutionResult], repeats: int, group: int = 8) 
         shutil.rmtree(scratch, ignore_errors=True)
 
     def ratio(base: str, arm: str) -> dict:
-        return _stats([b / a for a, b in zip(runs[arm], runs[base])])
+        return spread([b / a for a, b in zip(runs[arm], runs[base])], runs=True)
 
     return {
         "executions": len(executions), "executions_per_segment": group, "calls": sum(len(r.calls) for r in executions),
         "call_tokens": int(logical), "stored_tokens": int(tree_tokens),
         "stored_tokens_ratio": logical / tree_tokens,
-        "seconds": {k: _stats(v) for k, v in runs.items()},
+        "seconds": {k: spread(v, runs=True) for k, v in runs.items()},
         "archive_write_vs_numpy": ratio("numpy_write", "archive_write"),
         "archive_read_vs_numpy": ratio("numpy_read", "archive_read"),
         "archive_write_building_trees_vs_numpy": ratio("numpy_write", "archive_write_building_trees"),
@@ -259,9 +258,6 @@ def _fwd_bwd_s(trainer: Trainer, samples: list[PathSample]) -> float:
     return time.perf_counter() - t0
 
 
-def _stats(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "runs": xs}
-
 
 def _samples(trees: list[TrajectoryTree], j_max: int, packed: bool) -> list[PathSample]:
     out = []
@@ -298,16 +294,16 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
     reduce_mem = grad_reduce_memory(reduce_groups, reduce_shares)
     archive = archive_io([agent_execution(rng, f"a{i}", calls=archive_calls) for i in range(archive_executions)],
                          repeats)
-    fraction = {str(j): _stats([a / b for a, b in zip(t_j[j], t_j[0])]) for j in (1, 5)}
+    fraction = {str(j): spread([a / b for a, b in zip(t_j[j], t_j[0])], runs=True) for j in (1, 5)}
     return {
-        "git": _git(),
+        "git": git_revision(),
         "options": {"executions": executions, "path_tokens": path_tokens, "shared": shared, "branches": branches,
                     "jmax_paths": jmax_paths, "repeats": repeats, "model": ModelConfig().asdict(), "threads": 1},
         "tokens_forwarded": {"per_path": int(sum(len(s.tokens) for s in per_path)),
                              "tree": int(sum(len(s.tokens) for s in tree_packed))},
-        "per_path_s": _stats(t_path), "tree_s": _stats(t_tree),
-        "tree_training_speedup": _stats(speedup),
-        "jmax_fwd_bwd_s": {str(j): _stats(v) for j, v in t_j.items()},
+        "per_path_s": spread(t_path, runs=True), "tree_s": spread(t_tree, runs=True),
+        "tree_training_speedup": spread(speedup, runs=True),
+        "jmax_fwd_bwd_s": {str(j): spread(v, runs=True) for j, v in t_j.items()},
         "jmax_fwd_bwd_fraction": fraction,
         "archive": archive,
         "stored_tokens_ratio": archive["stored_tokens_ratio"],
@@ -317,13 +313,6 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
         "grad_reduce_peak_memory_ratio": reduce_mem["grad_reduce_peak_memory_ratio"],
     }
 
-
-def _git() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def summary(out: dict) -> str:
