@@ -60,7 +60,6 @@ class FirstTokens:
                 self.at.setdefault(rid, now)
 
 
-
 def agent_round(model, paged: bool, executions: int, seed: int) -> dict:
     """The agent workload on one engine: seconds, tokens/s, peak KV bytes."""
     from gyreflow.agents.loop import AgentConfig, run_agent

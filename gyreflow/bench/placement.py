@@ -297,7 +297,6 @@ def run_arm(workload: Workload, mode_name: str, split: tuple[int, int], log=prin
 # ---------------------------------------------------------------------------------------- the benchmark
 
 
-
 def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tuple[int, int]] | None = None,
               log=print, execution_workers: int = 2) -> dict:
     """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""

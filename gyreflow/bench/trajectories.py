@@ -258,7 +258,6 @@ def _fwd_bwd_s(trainer: Trainer, samples: list[PathSample]) -> float:
     return time.perf_counter() - t0
 
 
-
 def _samples(trees: list[TrajectoryTree], j_max: int, packed: bool) -> list[PathSample]:
     out = []
     for i, t in enumerate(trees):
@@ -312,7 +311,6 @@ def run(executions: int = 4, path_tokens: int = 640, shared: float = 0.8, branch
         "grad_reduce": reduce_mem,
         "grad_reduce_peak_memory_ratio": reduce_mem["grad_reduce_peak_memory_ratio"],
     }
-
 
 
 def summary(out: dict) -> str:
