@@ -274,17 +274,17 @@ class _Run:
         """Per step, its longest execution (by its duration alone on a cell): when it started and how
         long it took in this run, against alone. Its stretch is what keeps a run above the bound."""
         w, scale = self.w, self.w.time_scale
-        specs = {e.execution_id: e for k in range(w.steps) for e in w.executions(k)}
+        alone = {e.execution_id: w.min_execution_s(e) for k in range(w.steps) for e in w.executions(k)}
+        longest: dict[int, dict] = {}
+        for r in results:
+            best = longest.get(r["step"])
+            if best is None or alone[r["execution_id"]] > alone[best["execution_id"]]:
+                longest[r["step"]] = r
         out = []
-        for k in range(w.steps):
-            mine = [r for r in results if r["step"] == k and r["execution_id"] in specs]
-            if not mine:
-                continue
-            r = max(mine, key=lambda r: w.min_execution_s(specs[r["execution_id"]]))
-            alone = w.min_execution_s(specs[r["execution_id"]])
-            took = (r["end"] - r["start"]) * scale
-            out.append({"step": k, "start_s": (r["start"] - self.t0) * scale, "took_s": took, "alone_s": alone,
-                        "stretch": took / alone if alone > 0 else float("nan")})
+        for k, r in sorted(longest.items()):
+            a, took = alone[r["execution_id"]], (r["end"] - r["start"]) * scale
+            out.append({"step": k, "start_s": (r["start"] - self.t0) * scale, "took_s": took, "alone_s": a,
+                        "stretch": took / a if a > 0 else float("nan")})
         return out
 
 
