@@ -156,6 +156,13 @@ def task_state(client: Client, key: str) -> str | None:
     return client.run_on_scheduler(state, key)
 
 
+def slow_steps(client: Client, addr: str, times: int = 10**6) -> None:
+    """Each of the next ``times`` engine steps of ``addr`` waits 10 ms first (0: full speed again),
+    so a generation of hundreds of tokens there takes seconds however fast the box is."""
+    armed = client.sync(client.scheduler.gyreflow_fault, cell=addr, point="engine_step", times=times, delay_s=0.01)
+    assert "error" not in armed, armed
+
+
 def layout(client: Client, published: dict, rollout=("cell-0", "cell-1"), trainer=("cell-2",)) -> dict[str, str]:
     """Bring the cluster to a known state: every cell alive with an engine at ``VERSION`` and the
     given roles, no session routed anywhere. Name -> address."""
@@ -254,13 +261,19 @@ def test_live_generation_migrates_exactly(client, published, model):
     req = request("migrate-1", 12, seed=123, max_tokens=900)
     base = {n: engine_stats(client, names[n])["tokens_generated"] for n in CELLS}
     before = pools(client)
+    for name in ("cell-0", "cell-1"):  # whichever serves it decodes slowly: it cannot finish before the move
+        slow_steps(client, names[name])
     fut = client.submit(one_streamed_call, req, key="call-migrate-1", resources=SLOT, pure=False)
 
     src = wait_for(lambda: route_of(client, req.session), what="the session's route")
     src_name = next(n for n, a in names.items() if a == src)
     dst = names["cell-1" if src_name == "cell-0" else "cell-0"]
-    wait_for(lambda: engine_stats(client, src)["tokens_generated"] - base[src_name] >= 8, what="tokens generated")
-    entry, during = move_watched(client, src, TRAINER)
+    try:
+        slow_steps(client, dst, times=0)
+        wait_for(lambda: engine_stats(client, src)["tokens_generated"] - base[src_name] >= 8, what="tokens generated")
+        entry, during = move_watched(client, src, TRAINER)
+    finally:
+        slow_steps(client, src, times=0)
     # While it drains, the cell is out of routing and out of the policy's hands.
     assert during["moving"] == [src] and during["routed_to"] == dst
 
@@ -289,8 +302,9 @@ def test_cell_dying_mid_migration_loses_nothing(client, published, model):
     """The source cell exits once the destination holds its generations, before it answers anyone:
     every generation still completes on the destination, unchanged, exactly once."""
     names = layout(client, published)
-    N = 1000  # long enough that none finishes on the source before the drain, even on a busy box
+    N = 1000
     src, dst = names["cell-0"], names["cell-1"]
+    slow_steps(client, src)  # none of its generations can finish before the drain (it dies there)
     reqs = [request(f"crash-{i}", 5 + 3 * i, seed=200 + i, max_tokens=N) for i in range(4)]
     for r in reqs:  # all four sessions on the cell that will die
         out = client.sync(client.scheduler.gyreflow_route, session=r.session, engine=src)

@@ -26,6 +26,7 @@ from gyreflow.engine.base import (
 )
 from gyreflow.engine.runner import EngineRunner
 from gyreflow.engine.torch_engine import TorchEngine
+from gyreflow.faults import FAULTS
 from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
 from gyreflow.model.policy import LONG_CONTEXT
 from gyreflow.model.chat import decode_ids
@@ -549,19 +550,24 @@ class EngineTests:
         assert engine.stats()["live"] == 0
 
     def test_runner_moves_live_request(self, model, model_b):
-        # Long enough (seconds of decoding) that the export lands mid-flight even when this thread
-        # is descheduled for a while on a slow, busy box.
         target = req("long", 12, 24, temperature=1.0, max_tokens=1000)
         reference = generate(self.make_engine(model, max_seq_len=512), [target])[0]
         src = self.make_engine(model, name="src", max_seq_len=512)
         dst = self.make_engine(model, name="dst", max_seq_len=512)
-        with EngineRunner(src) as a, EngineRunner(dst):
-            fut = a.submit(target)
-            deadline = time.monotonic() + 30
-            while src.stats()["tokens_generated"] < 3 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            state = a.export_request("long")
-            moved = dst.import_request(state).result(timeout=60)
+        # Every runner step waits 10 ms until the export, so ~500 tokens take seconds: the export
+        # lands mid-flight even when this thread is descheduled for a while on a busy box.
+        FAULTS.arm("engine_step", 10**6, delay_s=0.01)
+        try:
+            with EngineRunner(src) as a, EngineRunner(dst):
+                fut = a.submit(target)
+                deadline = time.monotonic() + 30
+                while src.stats()["tokens_generated"] < 3 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                state = a.export_request("long")
+                FAULTS.arm("engine_step", 0)
+                moved = dst.import_request(state).result(timeout=60)
+        finally:
+            FAULTS.arm("engine_step", 0)
         with pytest.raises(RequestExported):
             fut.result(timeout=0)
         assert len(state.completion_ids) >= 3

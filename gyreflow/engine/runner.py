@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import Future
 
 from gyreflow.engine.base import GenerationRequest, LiveRequestState
+from gyreflow.faults import FAULTS
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class EngineRunner:
             if self._stop.is_set():
                 break
             try:
+                FAULTS.trip_sync("engine_step")
                 self.engine.step()
             except Exception as exc:  # the engine failed its live requests; keep serving the rest
                 log.exception("engine step failed")
