@@ -81,6 +81,20 @@ def test_two_steps_fixed_cost_closed_form():
     assert plain["windows_s"] == pytest.approx([224.0, 224.0], rel=1e-3)
 
 
+def test_training_waits_for_the_previous_update():
+    # Two steps at staleness 1 on 32 cells, F = 0: both steps' executions start at 0. Each step:
+    # 64 executions of 10 tokens in one call, a = 16, b = 1, B = 32, so r = (16 + 32)/32 = 1.5 s
+    # per token and, at train_share 0.5, t = 1.5: 960 cell-s of training a step, 30 s on 32 cells.
+    # An execution alone takes 10*17 = 170 s, then its gradients 15/32 s: E(0) = 170.46875.
+    # Step 1's gradients are taken at update 0's weights, so E(1) >= E(0) + 30 = 200.46875 (its
+    # executions alone would allow 170.46875 again). All the work: 2*(960 + 960)/32 = 120 s.
+    w = make(cells=32, steps=2, staleness=1, cost={"train_share": 0.5})
+    loose = lower_bound(w)
+    assert loose["step_end_s"] == pytest.approx([170.46875, 200.46875], rel=1e-12)
+    assert loose["lower_bound_s"] == pytest.approx(200.46875, rel=1e-12)
+    assert batched_bound(w)["batched_bound_s"] >= 200.46875 * (1 - 1e-9)
+
+
 # ------------------------------------------------------------------------------------ brute force
 
 
@@ -110,11 +124,16 @@ def relaxation_optimum(w: Workload, step_capacity: bool) -> float:
 
     train = sum(tr for *_, tr in steps) + K * F
 
+    # Step k's training follows update k-1: each gap is at least F plus that training on C cells.
+    floor = [F + tr / C for *_, tr in steps]
+
     def feasible(m: float, g0: np.ndarray) -> bool:
         if K == 1:
+            if m < floor[0]:
+                return False
             xs = [np.array([m - F])]
         else:
-            g0 = g0[(g0 >= F) & (g0 <= m - F)]
+            g0 = g0[(g0 >= floor[0]) & (g0 <= m - floor[1])]
             if g0.size == 0:
                 return False
             xs = [g0 - F, (m - g0 - F) if s == 0 else np.full(g0.shape, m - F)]

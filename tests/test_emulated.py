@@ -205,8 +205,9 @@ def test_lower_bound_by_hand():
     assert lb["step_end_s"][0] == pytest.approx(e0)
     assert lb["critical_path_s"] == pytest.approx(2 * e0)  # on-policy: step 1 starts after update 0
     assert lb["lower_bound_s"] == pytest.approx(max(2 * e0, lb["total_work_s"]))
-    # staleness 1: step 1's executions may start at once
-    assert lower_bound(w, staleness=1)["critical_path_s"] == pytest.approx(e0 + 1.0)
+    # staleness 1: step 1's executions may start at once, but its gradients are taken at update
+    # 0's weights: all of its training (t * 8000 on two cells) and its fixed cost follow E(0)
+    assert lower_bound(w, staleness=1)["critical_path_s"] == pytest.approx(e0 + t * 8000 / 2 + 1.0)
 
 
 def test_lower_bound_shipped():

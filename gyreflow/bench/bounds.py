@@ -31,14 +31,15 @@ def lower_bound(workload: Workload, *, staleness: int | None = None, cells: int 
         ``T_k`` its tokens::
 
             S(k) = E(k-1-s) if k-1-s >= 0 else 0      # step k's executions start no earlier
-            E(k) = F + max( E(k-1)                      # updates are sequential (E(-1) = 0)
+            E(k) = F + max( E(k-1) + t*T_k/C            # step k's gradients are taken at update
+                                                        # k-1's weights (E(-1) = 0)
                           , S(k) + max_i (D_i + t*tok_i/C)   # an execution, then its gradients on
                                                               # every cell at once
                           , S(k) + (W_k + t*T_k)/C )     # all of step k's work, on every cell
 
-        Each term is a necessary condition: the optimizer's ``F`` follows every gradient of its step
-        and the previous update, gradients of an execution follow its end, and nothing of step k
-        starts before ``S(k)``. Work of other steps running meanwhile is ignored (which only
+        Each term is a necessary condition: the optimizer's ``F`` follows every gradient of its step,
+        every gradient of step k follows update k-1 (it is computed at the weights that update
+        makes) and its execution's end, and nothing of step k starts before ``S(k)``. Work of other steps running meanwhile is ignored (which only
         loosens the bound). Each step's own figures (``t``, its executions) are those of its
         schedule; with a cell timeline, ``C`` is the most cells the run ever has.
 
@@ -80,7 +81,7 @@ def lower_bound(workload: Workload, *, staleness: int | None = None, cells: int 
         ends.append(
             fixed
             + max(
-                prev,
+                prev + t * tokens_k / n_cells,
                 start + float(np.max(dur + t * tok / n_cells)),
                 start + (work + t * tokens_k) / n_cells,
             )
@@ -175,9 +176,9 @@ class _Decode:
         return np.where(d_lo >= 0.0, f_lo + mu * lo, f_lo + mu * lo + np.minimum(d_lo, 0.0) * (hi - lo))
 
 
-def _primal(decode: _Decode, member: np.ndarray, xmin: np.ndarray, fixed: float, g_min: np.ndarray,
-            makespan: float, rel_gap: float = 1e-9) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Near-minimise ``sum_k W_k(X_k(g))`` over gaps ``g >= F`` with ``sum g = makespan`` and
+def _primal(decode: _Decode, member: np.ndarray, xmin: np.ndarray, fixed: float, floor: np.ndarray,
+            g_min: np.ndarray, makespan: float, rel_gap: float = 1e-9) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Near-minimise ``sum_k W_k(X_k(g))`` over gaps ``g >= floor`` with ``sum g = makespan`` and
     ``X_k(g) = member[k] @ g - F >= xmin_k``: a log-barrier Newton method in the ``K`` gaps.
 
     Each execution's decode cell time is the epigraph variable ``v_i >= f_i(X) = tok_i*b +
@@ -198,7 +199,7 @@ def _primal(decode: _Decode, member: np.ndarray, xmin: np.ndarray, fixed: float,
     def pieces(g: np.ndarray, t: float, order: int):
         """Slacks, ``p = v - f`` per execution and the barrier's gradient (and Hessian) in ``g``."""
         x = member @ g - fixed
-        sx, sg = x - xmin, g - fixed
+        sx, sg = x - xmin, g - floor
         if np.any(sx <= 0.0) or np.any(sg <= 0.0):
             return None
         u = x[step_of] - base
@@ -277,20 +278,22 @@ def batched_bound(workload: Workload, *, staleness: int | None = None, cells: in
     ``W_k(X)`` = that, summed over the step, plus its prefill (convex, decreasing)::
 
         minimise M = E(K-1)  subject to
-          E(k) >= E(k-1) + F,   X_k >= Xmin_k,
+          E(k) >= E(k-1) + G_k,   X_k >= Xmin_k,
           sum_k W_k(X_k) + sum_k (t_k * tokens_k + F) <= C*M  (or cell_seconds(M))
 
+    ``G_k = F + t_k*tokens_k/C``: step k's gradients are computed at the weights of update k-1, so
+    all of its training (on at most ``C`` cells) and its optimizer step follow that update.
     ``Xmin_k`` is the longest execution alone (``k_i = 1``) and, with ``step_capacity``, also the
     root of ``C*X = W_k(X) + t_k*tokens_k`` (all of step k's rollout and training happen in its
     window, on at most ``C`` cells).
 
-    Solution. In gaps ``g_j = E(j) - E(j-1)`` (``g_j >= F``, ``sum g = M``),
+    Solution. In gaps ``g_j = E(j) - E(j-1)`` (``g_j >= G_j``, ``sum g = M``),
     ``X_k = sum_{j in J_k} g_j - F`` with ``J_k = {max(0, k-s), ..., k}``; ``Phi(M)`` = the least
     ``sum_k W_k(X_k)`` over such gaps. Dualising ``X_k <= sum_{J_k} g - F`` (``mu_k``) and
-    ``sum g = M``, for any ``mu >= 0`` and ``M >= K F`` weak duality gives::
+    ``sum g = M``, for any ``mu >= 0`` and ``M >= sum G`` weak duality gives::
 
         Phi(M) >= D_mu(M) = sum_k min_{X >= Xmin_k} [W_k(X) + mu_k X]
-                            + F sum_k mu_k (1 - |J_k|) - (M - K F) max_j nu_j,
+                            + F sum_k mu_k - sum_j nu_j G_j - (M - sum G) max_j nu_j,
         nu_j = sum_{k: j in J_k} mu_k                         (linear in M)
 
     so ``M`` is infeasible when ``D_mu(M) > capacity(M) - training`` (checked with a margin for
@@ -348,16 +351,16 @@ def batched_bound(workload: Workload, *, staleness: int | None = None, cells: in
             lo, hi = np.where(short, mid, lo), np.where(short, hi, mid)
         xmin = np.maximum(xmin, lo)
 
+    floor = fixed + train / n_cells  # G_k
     member = np.zeros((K, K))
     for k in range(K):
         member[k, max(0, k - s): k + 1] = 1.0
     ends: list[float] = []
     for k in range(K):
         start = ends[k - 1 - s] if k - 1 - s >= 0 else 0.0
-        ends.append(max((ends[k - 1] if k else 0.0) + fixed, start + fixed + float(xmin[k])))
+        ends.append(max((ends[k - 1] if k else 0.0) + floor[k], start + fixed + float(xmin[k])))
     crit = ends[-1]
     g_min = np.diff(np.concatenate([[0.0], ends]))
-    nu_count = member.sum(axis=1)
 
     if cells is None:
         capacity = workload.cell_seconds
@@ -369,14 +372,14 @@ def batched_bound(workload: Workload, *, staleness: int | None = None, cells: in
         """Largest M with D_mu(M) > capacity(M) - training (every smaller M is then infeasible)."""
         nu = member.T @ mu
         top = float(nu.max())
-        const = (float(decode.min_plus_linear(mu, xmin).sum()) + fixed * float((mu * (1.0 - nu_count)).sum())
-                 + K * fixed * top)
+        const = (float(decode.min_plus_linear(mu, xmin).sum()) + fixed * float(mu.sum()) - float(nu @ floor)
+                 + float(floor.sum()) * top)
 
         def infeasible(m: float) -> bool:
             cap = capacity(m) - train_total
             return const - top * m > cap + 1e-9 * (abs(cap) + abs(const) + 1.0)
 
-        lo = K * fixed
+        lo = float(floor.sum())
         if not infeasible(lo):
             return -np.inf
         hi = max(2.0 * lo, 1.0)
@@ -392,7 +395,7 @@ def batched_bound(workload: Workload, *, staleness: int | None = None, cells: in
         return lo
 
     def solve(m: float) -> float:
-        g, mus = _primal(decode, member, xmin, fixed, g_min, m)
+        g, mus = _primal(decode, member, xmin, fixed, floor, g_min, m)
         plain = np.maximum(-decode(member @ g - fixed, 1)[1], 0.0)  # -W_k'(X_k), no barrier terms
         return max(certify(mu) for mu in [*mus, plain])
 
@@ -409,7 +412,7 @@ def batched_bound(workload: Workload, *, staleness: int | None = None, cells: in
 
     for margin in (1e-7, 1e-5, 1e-3):  # a makespan just above at which the relaxation is feasible
         m_up = max(best, crit * (1 + 1e-9)) * (1 + margin)
-        g, _ = _primal(decode, member, xmin, fixed, g_min, m_up)
+        g, _ = _primal(decode, member, xmin, fixed, floor, g_min, m_up)
         x = member @ g - fixed
         work = float(decode(x)[0].sum())
         fits = work + train_total <= capacity(m_up)
