@@ -67,6 +67,14 @@ def main() -> None:
     """gyreflow: elastic reinforcement learning on Dask for long-horizon LLM agents."""
 
 
+def scheduler_options(command):
+    """``--scheduler`` and ``--connect-timeout``, for the commands that can run on any Dask cluster."""
+    command = click.option("--connect-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+                           help="Seconds to wait for the scheduler at --scheduler to answer.")(command)
+    return click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded "
+                                            "cluster).")(command)
+
+
 @main.command()
 @click.option("--pipeline", "pipeline_name", default="grpo", show_default=True, help="Pipeline name or .py file.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="JSON config file.")
@@ -75,10 +83,10 @@ def main() -> None:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
               help="Continue this interrupted run directory from its last committed step (its config; --set may "
                    "raise rl.steps).")
-@click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded cluster).")
+@scheduler_options
 @click.option("--sft-cache", type=click.Path(file_okay=False), default="storage/sft-cache", show_default=True,
               help="Reuse SFT warm starts with identical settings from here ('' disables).")
-def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_cache) -> None:
+def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, connect_timeout, sft_cache) -> None:
     """Run a training pipeline; writes archive, checkpoints and report.json into the run directory."""
     from gyreflow.config import ConfigError, load_config
 
@@ -105,7 +113,7 @@ def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_c
     from gyreflow.cluster.local import ClusterError, PoolSpec
     from gyreflow.train.checkpoint import CheckpointError
 
-    client, cluster = _connect(scheduler, PoolSpec(rollout=cfg.cluster.rollout_workers,
+    client, cluster = _connect(scheduler, connect_timeout, PoolSpec(rollout=cfg.cluster.rollout_workers,
                                                    trainer=cfg.cluster.trainer_workers,
                                                    execution_slots=cfg.cluster.execution_slots,
                                                    dashboard_address=cfg.cluster.dashboard_address))
@@ -149,16 +157,17 @@ def run(pipeline_name, config_path, overrides, out, resume_dir, scheduler, sft_c
     sys.exit(code)
 
 
-def _connect(scheduler: str | None, spec):
-    """A client of the cluster at ``scheduler``, or of an embedded cluster of ``spec`` (then also
-    the cluster); exits 2 naming what is wrong when there is none."""
+def _connect(scheduler: str | None, timeout: float, spec):
+    """A client of the cluster at ``scheduler`` (waiting up to ``timeout`` s for it to answer), or of
+    an embedded cluster of ``spec`` (then also the cluster); exits 2 naming what is wrong when there
+    is none."""
     from distributed import Client
 
     from gyreflow.cluster.local import ClusterError, connect, local_cluster
 
     try:
         if scheduler:
-            return connect(scheduler), None
+            return connect(scheduler, timeout=timeout), None
         console.print("starting the embedded cluster ...")
         cluster = local_cluster(spec)
         return Client(cluster), cluster
@@ -323,8 +332,8 @@ def inspect(path, verify, plots_dir) -> None:
 @click.option("--init", "init_dir", type=click.Path(file_okay=False),
               help="Policy to start from (default: the one the run started its RL steps from).")
 @click.option("--evaluate", is_flag=True, help="Then run the held-out tasks with the replayed policy (on a rollout cell).")
-@click.option("--scheduler", help="Address of a running Dask scheduler (default: start an embedded cluster).")
-def replay(archive, out, overrides, init_dir, evaluate, scheduler) -> None:
+@scheduler_options
+def replay(archive, out, overrides, init_dir, evaluate, scheduler, connect_timeout) -> None:
     """Train again from a trajectory archive (no engine, no rollout); writes OUT/report.json and
     OUT/checkpoints/final."""
     from gyreflow.config import ConfigError
@@ -347,7 +356,7 @@ def replay(archive, out, overrides, init_dir, evaluate, scheduler) -> None:
 
     from gyreflow.cluster.local import ClusterError, PoolSpec
 
-    client, cluster = _connect(scheduler, PoolSpec(rollout=int(evaluate), trainer=cfg.cluster.trainer_workers or 1,
+    client, cluster = _connect(scheduler, connect_timeout, PoolSpec(rollout=int(evaluate), trainer=cfg.cluster.trainer_workers or 1,
                                                    execution_slots=cfg.cluster.execution_slots if evaluate else 8,
                                                    dashboard_address=cfg.cluster.dashboard_address))
     out_dir.mkdir(parents=True, exist_ok=True)

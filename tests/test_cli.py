@@ -65,9 +65,9 @@ def test_unknown_pipeline_lists_available(tmp_path):
 
 
 def test_scheduler_that_does_not_answer(tmp_path):
-    p = invoke("run", "--scheduler", "tcp://127.0.0.1:9", "--out", str(tmp_path / "run"))
+    p = invoke("run", "--scheduler", "tcp://127.0.0.1:9", "--connect-timeout", "1", "--out", str(tmp_path / "run"))
     assert p.returncode != 0
-    assert "no Dask scheduler answered at tcp://127.0.0.1:9" in (p.stdout + p.stderr)
+    assert "no Dask scheduler answered at tcp://127.0.0.1:9 within 1s" in (p.stdout + p.stderr)
     assert not (tmp_path / "run").exists()
 
 

@@ -98,7 +98,7 @@ def connect(address: str, timeout: float = 10.0) -> Client:
     try:
         return Client(address, timeout=timeout)
     except (OSError, asyncio.TimeoutError, TimeoutError) as err:
-        raise ClusterError(f"no Dask scheduler answered at {address} within {timeout:.0f}s ({type(err).__name__})") from None
+        raise ClusterError(f"no Dask scheduler answered at {address} within {timeout:g}s ({type(err).__name__})") from None
 
 
 def workers_info(client: Client) -> dict[str, dict]:

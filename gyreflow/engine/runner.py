@@ -37,7 +37,8 @@ class EngineRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors: list[BaseException] = []
-        """Exceptions raised by ``step`` (their live requests' futures already carry them)."""
+        """Exceptions raised by ``step`` (their live requests' futures already carry them), and
+        faults injected at ``engine_step`` (raised before the step runs; no request fails)."""
 
     @property
     def running(self) -> bool:
