@@ -411,7 +411,7 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, ex
     from gyreflow.bench.placement import ARMS, run_bench
     from gyreflow.bench.report import format_placement
     from gyreflow.bench.workload import WorkloadError
-    from gyreflow.bench.workload_file import load_workload
+    from gyreflow.bench.workload_file import TIME_SCALES, load_workload
 
     _quiet()
     try:
@@ -437,13 +437,17 @@ def bench_placement(workload_name, modes, repeats, splits, steps, time_scale, ex
             workload = dataclasses.replace(workload, schedule=tuple(c for c in workload.schedule if c.from_step < steps))
         workload = dataclasses.replace(workload, steps=steps)
     if time_scale is not None:
-        if time_scale <= 0:
-            raise click.UsageError("--time-scale must be > 0")
+        lo, hi = TIME_SCALES
+        if not lo <= time_scale <= hi:  # NaN fails too
+            raise click.UsageError(f"--time-scale must be between {lo:g} and {hi:g}, got {time_scale:g}")
         workload = dataclasses.replace(workload, time_scale=time_scale)
     console.print(f"workload {workload.name}: {workload.cells} cells, {workload.steps} steps, "
                   f"{workload.executions_per_step} executions per step, time scale x{workload.time_scale:g} (emulated)")
-    out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print,
-                    execution_workers=execution_workers)
+    try:
+        out = run_bench(workload, repeats, tuple(dict.fromkeys(chosen)), parsed or None, log=console.print,
+                        execution_workers=execution_workers)
+    except WorkloadError as err:
+        raise click.UsageError(str(err)) from None
     console.print(format_placement(out))
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
@@ -487,11 +491,14 @@ def bench_placement_tables(json_paths, readme) -> None:
 
     from gyreflow.bench.report import markdown_tables, update_readme
 
-    try:
-        outs = [json.loads(Path(p).read_text()) for p in json_paths]
-        text = markdown_tables(outs)
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise click.UsageError(f"not a placement benchmark JSON: {type(err).__name__}: {err}") from None
+    outs = []
+    for p in json_paths:
+        try:
+            outs.append(json.loads(Path(p).read_text(encoding="utf-8")))
+            markdown_tables([outs[-1]])  # each file on its own, so that the error can name it
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+            raise click.UsageError(f"{p}: not a placement benchmark JSON: {type(err).__name__}: {err}") from None
+    text = markdown_tables(outs)
     if readme:
         try:
             update_readme(Path(readme), text)

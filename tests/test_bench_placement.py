@@ -107,3 +107,33 @@ def test_a_workload_with_a_known_best_mode_gets_it():
     assert 6 * 0.97 <= stretch["async_user"] <= 6 * 1.3
     # The bounds are those of the colocated schedule, which no placement can beat here.
     assert out["lower_bound_s"] == pytest.approx(162, rel=0.01)
+
+
+def _with(**over):
+    from gyreflow.bench.workload_file import workload_from_dict
+
+    return workload_from_dict({**TINY, **over}, source="w.json")
+
+
+def test_arms_a_cluster_shape_or_timeline_would_stall_are_refused_before_any_run():
+    from gyreflow.bench.placement import arm_problem, run_bench
+    from gyreflow.bench.workload import WorkloadError
+
+    w = _with(cells=4, timeline=[{"at": 50, "join": 2}, {"at": 100, "leave": ["cell-3"]}])
+    # At 3:1 cell-3 is the only trainer, and both joiners of a 3:1 split roll out (a quarter of two
+    # joiners rounds to none): its leaving takes the last trainer.
+    assert "takes the last trainer cell" in arm_problem(w, "async", (3, 1))
+    assert "takes the last trainer cell" in arm_problem(w, "lend", (3, 1))
+    assert arm_problem(w, "async", (2, 2)) is None  # cell-2 still trains
+    assert arm_problem(w, "elastic", (3, 1)) is None and arm_problem(w, "colocated", (4, 0)) is None
+    # Elastic refills a pool, but needs a cell for each.
+    w1 = _with(cells=3, timeline=[{"at": 50, "leave": ["cell-0", "cell-1"]}])
+    assert "leaves 1 cell(s); placement 'elastic' needs 2" in arm_problem(w1, "elastic", (2, 1))
+    assert arm_problem(w1, "colocated", (3, 0)) is None
+    # The benchmark refuses before it starts a cluster (this returns at once, no run is made).
+    with pytest.raises(WorkloadError, match="arm 'async_oracle' at 3:1 cannot run: timeline\\[1\\]"):
+        run_bench(w, arms=("async_oracle",), splits=[(3, 1)], log=lambda *a: None)
+    with pytest.raises(WorkloadError, match="arm 'elastic' at 1:1 cannot run: placement 'elastic' cannot move a cell"):
+        run_bench(_with(cells=2), arms=("colocated", "elastic"), log=lambda *a: None)
+    with pytest.raises(WorkloadError, match="arm 'async_user' at 1:0 cannot run: .*trainer cell"):
+        run_bench(_with(cells=1), arms=("async_user",), log=lambda *a: None)

@@ -9,6 +9,8 @@ from pathlib import Path
 import zarr
 from support import wait_for_steps
 
+from gyreflow.bench import load_workload
+
 GYREFLOW = [sys.executable, "-m", "gyreflow.cli"]
 
 
@@ -154,6 +156,13 @@ def test_bench_placement_bad_input(tmp_path):
     bad.write_text(json.dumps({"name": "w"}))
     p = invoke("bench", "placement", "--workload", str(bad))
     assert p.returncode == 2 and "w.json" in p.stderr
+    for scale in ("nan", "inf", "0"):
+        p = invoke("bench", "placement", "--time-scale", scale)
+        assert p.returncode == 2 and "--time-scale must be between 0.001 and 10000" in p.stderr
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps(load_workload("flat").to_dict() | {"cells": 2}))
+    p = invoke("bench", "placement", "--workload", str(two), "--modes", "elastic")
+    assert p.returncode == 2 and "arm 'elastic' at 1:1 cannot run" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_placement_tables_from_benchmark_json(tmp_path):
@@ -182,8 +191,13 @@ def test_placement_tables_from_benchmark_json(tmp_path):
     assert missing.read_text() == "no markers\n"
     notjson = tmp_path / "x.json"
     notjson.write_text(json.dumps({"workload": "w"}))
-    p = invoke("bench", "placement-tables", str(notjson))
-    assert p.returncode == 2 and "not a placement benchmark JSON" in p.stderr
+    p = invoke("bench", "placement-tables", str(src), str(notjson))
+    assert p.returncode == 2 and f"{notjson}: not a placement benchmark JSON" in p.stderr
+    for i, body in enumerate([b'{"modes": []}', b"\xff\xfe", json.dumps(out | {"ratios": {"elastic_vs_lend": "x"}}).encode()]):
+        odd = tmp_path / f"odd{i}.json"
+        odd.write_bytes(body)
+        p = invoke("bench", "placement-tables", str(odd))
+        assert p.returncode == 2 and f"{odd}: not a placement benchmark JSON" in p.stderr, p.stderr
 
 
 def test_bench_jmax_runs_each_value_with_the_same_seeds(tmp_path, tiny_overrides):

@@ -104,6 +104,53 @@ def test_bad_workload_names_file_and_field(tmp_path, field, value, reason):
     assert "bad.json" in msg and reason in msg and repr(field) in msg
 
 
+@pytest.mark.parametrize(
+    "field, value, named, reason",
+    [
+        # an uncapped lognormal of sigma 3 reaches about 4e12 tokens: refused, with the fix named
+        ("tokens_per_execution", {"dist": "lognormal", "median": 60000, "sigma": 3.0}, "tokens_per_execution",
+         "give it a cap"),
+        ("tokens_per_execution", {"dist": "lognormal", "median": 60000, "sigma": 1000.0}, "tokens_per_execution",
+         "give it a cap"),
+        ("tokens_per_call", 1, "tokens_per_execution", "700,000 calls"),  # the cap, one token a call
+        ("cost.kv_bytes_per_token", 10**6, "cost.kv_bytes_per_token", "805,000-token context"),  # 700,000 + 350 x 300
+        ("time_scale", 1e-300, "time_scale", "between 0.001 and 10000"),
+        ("time_scale", 10**400, "time_scale", "out of range"),
+        ("timeline", [{"at": 5, "join": 1000}], "timeline", "1008 cells; at most 64"),
+        ("timeline", [{"at": 5, "leave": ["cell-1", "cell-1"]}], "timeline[0].leave", "'cell-1' more than once"),
+    ],
+)
+def test_workload_the_benchmark_cannot_hold_is_refused(tmp_path, field, value, named, reason):
+    data = _edit(load_workload("xlong-tail").to_dict(), field, value)
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(WorkloadError) as err:
+        load_workload(path)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: field {named!r}") and reason in msg
+
+
+def test_a_schedule_entry_is_named_when_it_is_the_one_too_large(tmp_path):
+    data = load_workload("xlong-tail").to_dict()
+    data["schedule"] = [{"from_step": 3, "tokens_per_execution": {"dist": "constant", "value": 2e8}}]
+    path = tmp_path / "late.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(WorkloadError, match=r"late.json: field 'schedule\[0\].tokens_per_execution' reaches "
+                                            r"200,000,000 tokens at step 3"):
+        load_workload(path)
+
+
+def test_unreadable_or_repeated_keys_name_the_file(tmp_path):
+    path = tmp_path / "twice.json"
+    path.write_text('{"cells": 8, "cells": 3}')
+    with pytest.raises(WorkloadError, match="twice.json: field 'cells' is given more than once"):
+        load_workload(path)
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"name": "caf\xe9"}')
+    with pytest.raises(WorkloadError, match="latin1.json: cannot be read as UTF-8"):
+        load_workload(path)
+
+
 def test_not_json(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{nope")

@@ -165,6 +165,19 @@ def test_elastic_never_strands_work():
     assert "r1" not in targets(moves) and targets(moves) == {"r2": TRAINER}
 
 
+def test_elastic_refills_a_pool_that_departing_cells_emptied():
+    # The only rollout cell left the cluster while executions live: an idle trainer rolls out,
+    # though no training work is ready and no cell has dwelt (three trainers, one is kept).
+    s = snap(cell("t0", TRAINER, since=NOW), cell("t1", TRAINER, train=1, since=NOW), cell("t2", TRAINER, since=NOW),
+             route_waiting=5)
+    assert targets(ElasticPolicy(min_trainer=1).decide(s)) == {"t0": ROLLOUT}
+    # The only trainer left: the rollout cell with the fewest live executions trains.
+    s = snap(cell("r0", ROLLOUT, sessions=6), cell("r1", ROLLOUT, sessions=2), cell("r2", ROLLOUT, sessions=9))
+    assert targets(ElasticPolicy().decide(s)) == {"r1": TRAINER}
+    # A pool short only while the other is at its own minimum stays as it is.
+    assert ElasticPolicy().decide(snap(cell("t0", TRAINER), route_waiting=5)) == []
+
+
 def test_elastic_trainer_cells_roll_out_beyond_the_need():
     # 48 executions on one rollout cell; three trainer cells each hold one queued task (1 s each,
     # so 3 s ready, cleared in time by ceil(3 / 2 - 0.5) = 1 cell): two roll out, the queue follows.

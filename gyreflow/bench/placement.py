@@ -51,7 +51,7 @@ from gyreflow.bench.stages import (
     emulated_update,
     emulated_weights,
 )
-from gyreflow.bench.workload import Workload, cell_name
+from gyreflow.bench.workload import Workload, WorkloadError, cell_name
 from gyreflow.cluster.clock import Clock
 from gyreflow.cluster.control import Timing
 from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_info
@@ -75,15 +75,22 @@ def stages_for(workload: Workload) -> Stages:
                   publish=emulated_publish)
 
 
+MIN_TICK_WALL_S = 0.01
+"""The plugin ticks at most this often in wall seconds, however short the workload's calls."""
+
+
 def call_s(workload: Workload) -> float:
-    """The workload's unit of time: one model call at a full batch (emulated seconds)."""
-    return workload.tokens_per_call * workload.iteration_s(workload.cost.max_batch)
+    """The workload's unit of time: one model call at a full batch (emulated seconds), the shortest
+    over the schedule's steps."""
+    per_call = min(workload.at(k).tokens_per_call for k in range(workload.steps))
+    return per_call * workload.iteration_s(workload.cost.max_batch)
 
 
 def placement_timing(workload: Workload) -> tuple[Timing, dict]:
-    """The plugin's timing and the policies' time options, in units of :func:`call_s`."""
+    """The plugin's timing and the policies' time options, in units of :func:`call_s` (the tick no
+    shorter than :data:`MIN_TICK_WALL_S` of wall time, which a machine must keep up with)."""
     u = call_s(workload)
-    timing = Timing(tick_s=u / 4, history_s=u / 2, rebalance_s=u, stall_s=200 * u, stall_check_s=8 * u,
+    timing = Timing(tick_s=max(u / 4, MIN_TICK_WALL_S * workload.time_scale), history_s=u / 2, rebalance_s=u, stall_s=200 * u, stall_check_s=8 * u,
                     handover_s=50 * u, rate_window_s=200 * u)
     return timing, {"dwell_s": 2 * u, "idle_s": 2 * u, "drain_s": 4 * u}
 
@@ -98,6 +105,38 @@ def user_split(cells: int, rollout_s: float, train_s: float) -> tuple[int, int]:
     ``train_s`` on all ``cells``: the trainer share of that work, rounded, one cell at least each way."""
     trainer = min(cells - 1, max(1, round(cells * train_s / (rollout_s + train_s))))
     return cells - trainer, trainer
+
+
+def arm_problem(workload: Workload, mode_name: str, split: tuple[int, int]) -> str | None:
+    """Why placement ``mode_name`` started at ``split`` cannot run ``workload`` (``None``: it can):
+    the mode's own check, then its pools along the workload's cell timeline."""
+    m = placement_mode(mode_name)
+    why = m.check(*split)
+    if why:
+        return why
+    r, t = m.start_split(*split)
+    roles = {cell_name(i): TRAINER if i >= r else ROLLOUT for i in range(r + t)}  # local_cluster's order
+    joins = iter(m.join_role(r, t, sum(e.join for e in workload.timeline)))
+    policy = m.make_policy()
+    least = max(1, getattr(policy, "min_rollout", 0) + getattr(policy, "min_trainer", 0))
+    n = workload.cells
+    for i, e in enumerate(workload.timeline):
+        for _ in range(e.join):
+            roles[cell_name(n)] = TRAINER if next(joins) else ROLLOUT
+            n += 1
+        for name in e.leave:
+            roles.pop(name, None)
+        where = f"timeline[{i}] (at {e.at:g} s)"
+        if m.refills_pools:
+            if len(roles) < least:
+                return f"{where} leaves {len(roles)} cell(s); placement {m.name!r} needs {least}"
+            continue
+        for role in (ROLLOUT, TRAINER)[: 2 if t else 1]:
+            if role not in roles.values():
+                return (f"{where} takes the last {role} cell; placement {m.name!r} keeps the roles cells start "
+                        f"or join with (rollout cells first: {', '.join(cell_name(k) for k in range(r))} start "
+                        "in rollout): have other cells leave, or run it at another split")
+    return None
 
 
 def _cpu_seconds() -> float:
@@ -302,6 +341,25 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
     """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""
     cells = workload.cells
     candidates = splits or default_splits(cells)
+
+    def refuse(arm: str, split: tuple[int, int], timeline: bool = True) -> None:
+        why = (arm_problem(workload, ARM_MODE[arm], split) if timeline
+               else placement_mode(ARM_MODE[arm]).check(*split))
+        if why:
+            raise WorkloadError(f"{workload.name}: arm {arm!r} at {split[0]}:{split[1]} cannot run: {why}")
+
+    # Everything that can be refused is, before the first run: the user's split is known only after
+    # the calibration, so its arms are checked here without the timeline, and with it once it is known.
+    if "colocated" in arms:
+        refuse("colocated", (cells, 0))
+    if "async_oracle" in arms:
+        if not candidates:
+            raise WorkloadError(f"{workload.name}: no split to try for 'async_oracle' on {cells} cell(s)")
+        for split in candidates:
+            refuse("async_oracle", split)
+    user_arms = [a for a in ("async_user", "lend", "elastic") if a in arms]
+    for arm in user_arms:
+        refuse(arm, user_split(cells, 1.0, 1.0), timeline=False)
     runs: list[dict] = []
     calibration: dict | None = None
     best_two: list[tuple[int, int]] | None = None
@@ -320,14 +378,18 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
             return out
 
         if "colocated" in arms:
-            colocated = once("colocated", (cells, 0))
-            calibration = calibration or colocated["first_step"]
-        elif calibration is None and set(arms) & {"async_user", "lend", "elastic"}:
+            first_step = once("colocated", (cells, 0))["first_step"]
+            if calibration is None and not _cells_change_before(workload, first_step["rollout_s"] + first_step["train_s"]):
+                calibration = first_step
+        if calibration is None and user_arms:
             # the user's first step: one step on all cells, rollouts then training
             log("calibration: the first step, colocated ...")
             first = run_arm(_one_step(workload), "colocated", (cells, 0), log, execution_workers=execution_workers)
             calibration = first["first_step"]
         user = user_split(cells, calibration["rollout_s"], calibration["train_s"]) if calibration else None
+        if rep == 0:
+            for arm in user_arms:
+                refuse(arm, user)
         if "async_user" in arms:
             once("async_user", user)
         if "async_oracle" in arms:
@@ -344,6 +406,12 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
     out = summarise(workload, runs, repeats, candidates, calibration, log)
     out["options"]["execution_workers"] = execution_workers
     return out
+
+
+def _cells_change_before(workload: Workload, t: float) -> bool:
+    """Whether the cell timeline changes the cluster before emulated time ``t`` (a first step that
+    saw it is not the one a user measures)."""
+    return bool(workload.timeline) and workload.timeline[0].at < t
 
 
 def _one_step(workload: Workload) -> Workload:

@@ -20,6 +20,19 @@ _TOP = {
 _CHANGES = {"from_step", "tokens_per_execution", "tokens_per_call", "tool_output_tokens", "tool_latency",
             "tasks_per_step", "samples_per_task", "train_share"}
 
+MAX_CELLS = 64
+"""Most cells a workload may ever have: the benchmark starts one worker process per cell."""
+MAX_EXECUTION_TOKENS = 100_000_000
+"""Most tokens one execution may generate (100x the longest horizon gyreflow targets)."""
+MAX_CALLS = 100_000
+"""Most model calls one execution may make (each is an object in the run's memory)."""
+MAX_MIGRATION_BYTES = 1 << 30
+"""Most KV bytes one migration may send (the benchmark sends them between workers for real)."""
+TIME_SCALES = (1e-3, 1e4)
+"""Smallest and largest ``time_scale``."""
+LOGNORMAL_REACH = 6.0
+"""An uncapped lognormal's largest draw is taken as ``median * exp(6 * sigma)`` (about 1 in 10^9)."""
+
 
 def workload_to_dict(w: Workload) -> dict:
     """The JSON form of ``w``."""
@@ -79,7 +92,7 @@ def workload_from_dict(data: Any, source: str = "<dict>") -> Workload:
         p.fail("description", "must be a string")
     cells = p.integer(d, "cells", "", positive=True)
     steps = p.integer(d, "steps", "", positive=True)
-    return Workload(
+    w = Workload(
         name=name,
         description=description,
         cells=cells,
@@ -92,11 +105,40 @@ def workload_from_dict(data: Any, source: str = "<dict>") -> Workload:
         tool_output_tokens=p.integer(d, "tool_output_tokens", "", positive=False),
         tool_latency=p.dist(p.required(d, "tool_latency", ""), "tool_latency", _LATENCY_SUFFIX),
         cost=cost,
-        time_scale=p.num(d, "time_scale", "", positive=True),
+        time_scale=p.num(d, "time_scale", "", positive=True, within=TIME_SCALES),
         seed=p.integer(d, "seed", "", positive=False),
         schedule=_schedule(p, d.get("schedule", []), steps),
         timeline=_timeline(p, d.get("timeline", []), cells),
     )
+    _check_sizes(p, w)
+    return w
+
+
+def _check_sizes(p: "_Parser", w: Workload) -> None:
+    """Refuse what the benchmark could not hold: too many cells, executions too long to emulate."""
+    if w.max_cells > MAX_CELLS:
+        p.fail("timeline" if w.timeline else "cells", f"gives the run {w.max_cells} cells; at most {MAX_CELLS} "
+                                                      "(one worker process each)")
+    for k in range(w.steps):
+        at = w.at(k)
+        where = next((f"schedule[{i}]" for i, c in reversed(list(enumerate(w.schedule)))
+                      if c.from_step <= k and c.tokens_per_execution is not None), None)
+        field = f"{where}.tokens_per_execution" if where else "tokens_per_execution"
+        dist = at.tokens_per_execution
+        hi = dist.high if dist.dist == "uniform" else dist.value if dist.dist == "constant" else (
+            dist.cap if dist.cap is not None else dist.median * math.exp(min(600.0, LOGNORMAL_REACH * dist.sigma)))
+        if hi > MAX_EXECUTION_TOKENS:
+            hint = "; give it a cap" if dist.dist == "lognormal" and dist.cap is None else ""
+            p.fail(field, f"reaches {hi:,.0f} tokens at step {k}; at most {MAX_EXECUTION_TOKENS:,}{hint}")
+        calls = math.ceil(hi / at.tokens_per_call)
+        if calls > MAX_CALLS:
+            p.fail(field, f"at {at.tokens_per_call:,} tokens per call makes up to {calls:,} calls an execution at "
+                          f"step {k}; at most {MAX_CALLS:,} (raise tokens_per_call)")
+        context = hi + calls * at.tool_output_tokens
+        if context * w.cost.kv_bytes_per_token > MAX_MIGRATION_BYTES:
+            p.fail("cost.kv_bytes_per_token", f"makes a migration of a {context:,.0f}-token context send "
+                                              f"{context * w.cost.kv_bytes_per_token:,.0f} bytes; at most "
+                                              f"{MAX_MIGRATION_BYTES:,}")
 
 
 def _schedule(p: "_Parser", value: Any, steps: int) -> tuple[StepChange, ...]:
@@ -145,6 +187,9 @@ def _timeline(p: "_Parser", value: Any, cells: int) -> tuple[CellEvent, ...]:
         leave = e.get("leave", [])
         if not isinstance(leave, list) or not all(isinstance(n, str) for n in leave):
             p.fail(f"{where}.leave", "must be a list of cell names")
+        if len(set(leave)) < len(leave):
+            twice = sorted({n for n in leave if leave.count(n) > 1})
+            p.fail(f"{where}.leave", f"names {twice[0]!r} more than once")
         for name in leave:
             if name not in alive:
                 p.fail(f"{where}.leave", f"names {name!r}, which is no cell at {at:g} s (cells then: "
@@ -199,18 +244,24 @@ class _Parser:
             self.fail(self._path(prefix, key), f"must be below 1, got {v}")
         return v
 
-    def num(self, d: dict, key: str, prefix: str, *, positive: bool) -> float:
+    def num(self, d: dict, key: str, prefix: str, *, positive: bool,
+            within: tuple[float, float] | None = None) -> float:
         field = self._path(prefix, key)
         v = self.required(d, key, prefix)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             self.fail(field, f"must be a number, got {type(v).__name__}")
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            self.fail(field, "is out of range (an integer too large for a float)")
         if not math.isfinite(v):
             self.fail(field, f"must be finite, got {v}")
         if positive and v <= 0:
             self.fail(field, f"must be positive, got {v}")
         if not positive and v < 0:
             self.fail(field, f"must not be negative, got {v}")
+        if within is not None and not within[0] <= v <= within[1]:
+            self.fail(field, f"must be between {within[0]:g} and {within[1]:g}, got {v:g}")
         return v
 
     def integer(self, d: dict, key: str, prefix: str, *, positive: bool) -> int:
@@ -276,7 +327,10 @@ def load_workload(path_or_name: str | Path) -> Workload:
     text_source = str(path_or_name)
     path = Path(path_or_name)
     if path.is_file():
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise WorkloadError(f"{text_source}: cannot be read as UTF-8 text: {err}") from None
     else:
         looks_like_path = isinstance(path_or_name, Path) or text_source.endswith(".json") or "/" in text_source
         shipped = _shipped_dir() / f"{text_source}.json"
@@ -287,9 +341,24 @@ def load_workload(path_or_name: str | Path) -> Workload:
         text = shipped.read_text(encoding="utf-8")
         text_source = f"{text_source}.json"
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as err:
         raise WorkloadError(f"{text_source}: not valid JSON: {err}") from None
+    except _DuplicateKey as err:
+        raise WorkloadError(f"{text_source}: field {err.args[0]!r} is given more than once") from None
     return workload_from_dict(data, source=text_source)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
 
 

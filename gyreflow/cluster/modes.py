@@ -44,6 +44,10 @@ class PlacementMode:
     """The mode moves cells at run time (a cluster where it never could is refused)."""
     min_trainer_cells: int = 0
     """Cells that must start in the trainer pool."""
+    refills_pools: bool = False
+    """The policy refills a pool that departing cells left short, from the other pool; otherwise
+    cells keep the roles they started or joined with, and a pool that loses its last cell stays
+    empty."""
 
     def make_policy(self, **options) -> PlacementPolicy:
         """The policy with ``options`` (unknown ones are refused with the allowed list)."""
@@ -99,12 +103,12 @@ PLACEMENTS: Registry[PlacementMode] = Registry("placement mode")
 
 for _mode in (
     PlacementMode("colocated", ColocatedPolicy, "every cell rolls out, then every cell trains (on-policy)",
-                  on_policy=True, all_cells_roll_out=True),
+                  on_policy=True, all_cells_roll_out=True, refills_pools=True),
     PlacementMode("async", StaticPolicy, "a fixed split; rollouts of step k+1 overlap training of step k",
                   trainers_roll_out=False, moves_cells=False, min_trainer_cells=1),
     PlacementMode("lend", LendPolicy, "trainer cells serve rollout while they have no training work",
                   min_trainer_cells=1),
-    PlacementMode("elastic", ElasticPolicy, "cells move between the pools by predicted need"),
+    PlacementMode("elastic", ElasticPolicy, "cells move between the pools by predicted need", refills_pools=True),
 ):
     PLACEMENTS.register(_mode.name)(_mode)
 

@@ -175,6 +175,9 @@ class ElasticPolicy:
     4. Idle trainer cells beyond the training need roll out when rollout is crowded (more than
        ``spread_batch`` executions per cell).
 
+    Before all of these, a pool that departing cells left below ``min_rollout`` / ``min_trainer``
+    is refilled from the other pool.
+
     A cell keeps a new role ``dwell_s`` at least, and a trainer cell rolls out only after
     ``idle_s`` without work.
 
@@ -222,6 +225,18 @@ class ElasticPolicy:
         idle = [c for c in free_t if c.train_tasks == 0 and c.idle_since is not None
                 and snap.time - c.idle_since >= self.idle_s]
         keep = max(self.min_trainer, math.ceil(keep_up))  # trainer cells that keep up with the arriving work
+        # 0. A pool below its minimum (cells left the cluster): the other pool gives cells beyond its own.
+        still = [c for c in snap.cells if not c.moving]
+        if len(rollout) < self.min_rollout and len(trainer) > self.min_trainer:
+            give = sorted((c for c in still if c.role == TRAINER), key=lambda c: (c.train_running, c.train_tasks, c.address))
+            k = min(self.min_rollout - len(rollout), len(trainer) - self.min_trainer)
+            return [Move(c.address, ROLLOUT, f"{len(rollout)} rollout cells, below the {self.min_rollout} kept")
+                    for c in give[:k]]
+        if len(trainer) < self.min_trainer and len(rollout) > self.min_rollout:
+            give = sorted((c for c in still if c.role == ROLLOUT), key=lambda c: (c.sessions, c.address))
+            k = min(self.min_trainer - len(trainer), len(rollout) - self.min_rollout)
+            return [Move(c.address, TRAINER, f"{len(trainer)} trainer cells, below the {self.min_trainer} kept")
+                    for c in give[:k]]
         # 1. Executions wait for a batch slot: trainer cells roll out, but for those the arriving
         #    work keeps busy on average and those the ready work needs.
         if sessions > len(rollout) * self.consolidate_batch and free_t:
