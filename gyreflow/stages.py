@@ -139,7 +139,10 @@ def run_execution(task, agent, execution_id: str, step: int, sample: int, seed: 
             result = ExecutionResult(session, task.task_id, step, sample, task.split, [], 0.0, False, "infra_failure",
                                      {"error": f"{type(err).__name__}: {err}"})
         finally:
-            router.close()
+            try:
+                router.close()
+            except Exception:  # the scheduler forgets the session when this worker goes
+                logger.warning("gyreflow: session %s could not be released", session, exc_info=True)
         if not result.dropped:
             break
     result.metrics["attempts"] = attempt + 1

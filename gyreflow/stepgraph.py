@@ -121,11 +121,18 @@ def submit_step(client: Client, step: int, groups: Sequence[Group], stages: Stag
 
 
 def publish(client: Client, stages: Stages, published: Future, cells: Sequence[str], version: int) -> list[dict]:
-    """Install a weights version on every cell in ``cells`` and wait until all have it."""
-    done = [
-        client.submit(stages.publish, published, key=f"publish-v{version}-{addr.split('//')[-1]}", workers=[addr],
-                      allow_other_workers=False, pure=False)
+    """Install a weights version on every cell in ``cells`` and wait until all have it; a cell
+    that leaves the cluster meanwhile is skipped (its task would wait for it for ever)."""
+    done = {
+        addr: client.submit(stages.publish, published, key=f"publish-v{version}-{addr.split('//')[-1]}",
+                            workers=[addr], allow_other_workers=False, pure=False)
         for addr in cells
-    ]
-    wait(done)
-    return [f.result() for f in done]
+    }
+    while pending := [f for f in done.values() if not f.done()]:
+        try:
+            wait(pending, timeout=1.0)
+        except TimeoutError:
+            present = set(client.scheduler_info(n_workers=-1)["workers"])
+            for addr in [a for a, f in done.items() if not f.done() and a not in present]:
+                done.pop(addr).cancel()
+    return [f.result() for f in done.values()]

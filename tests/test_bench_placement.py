@@ -137,3 +137,5 @@ def test_arms_a_cluster_shape_or_timeline_would_stall_are_refused_before_any_run
         run_bench(_with(cells=2), arms=("colocated", "elastic"), log=lambda *a: None)
     with pytest.raises(WorkloadError, match="arm 'async_user' at 1:0 cannot run: .*trainer cell"):
         run_bench(_with(cells=1), arms=("async_user",), log=lambda *a: None)
+    with pytest.raises(WorkloadError, match="field 'timeline' gives the run 1003 cells; the benchmark runs at most 64"):
+        run_bench(_with(timeline=[{"at": 5, "join": 1000}]), arms=("elastic",), log=lambda *a: None)

@@ -573,3 +573,33 @@ def test_downscaling_spares_busy_cells(client, published):
         fut.result(timeout=30)
         client.sync(client.scheduler.gyreflow_release, session="busy-session")
     assert candidates() == sorted(names[c] for c in CELLS)
+
+
+def test_publishing_skips_a_cell_that_left(client, published):
+    """A weights version published to cells one of which has left the cluster since they were
+    listed: the others get it, and the publication returns instead of waiting for that cell."""
+    from types import SimpleNamespace
+
+    from gyreflow.stepgraph import publish
+
+    names = layout(client, published)
+    gone = "tcp://127.0.0.1:9"  # a cell no longer in the cluster (nothing listens there)
+    out = publish(client, SimpleNamespace(publish=publish_weights), published, [names["cell-0"], gone, names["cell-1"]],
+                  version=VERSION)
+    assert [o["engine"] for o in out] == [names["cell-0"], names["cell-1"]]
+    assert all(o["version"] == VERSION for o in out)
+
+
+def test_modes_that_move_cells_need_work_stealing():
+    """Without Dask's work stealing a cell leaving the trainer pool could not hand its queued
+    trainer tasks over: such a cluster is refused for the modes that move cells, not for async."""
+    import dask
+
+    from gyreflow.cluster.local import ClusterError
+
+    with dask.config.set({"distributed.scheduler.work-stealing": False}):
+        with local_cluster(PoolSpec(rollout=2, trainer=1, execution_slots=1)) as cluster, Client(cluster) as c:
+            with pytest.raises(ClusterError, match="placement 'elastic' moves cells, which needs Dask's work stealing"):
+                install(c, torch_threads=1, engine_options=ENGINE_OPTIONS, mode="elastic")
+            install(c, torch_threads=1, engine_options=ENGINE_OPTIONS, mode="async")
+            assert c.sync(c.scheduler.gyreflow_pools)["mode"] == "async"

@@ -116,7 +116,6 @@ def test_bad_workload_names_file_and_field(tmp_path, field, value, reason):
         ("cost.kv_bytes_per_token", 10**6, "cost.kv_bytes_per_token", "805,000-token context"),  # 700,000 + 350 x 300
         ("time_scale", 1e-300, "time_scale", "between 0.001 and 10000"),
         ("time_scale", 10**400, "time_scale", "out of range"),
-        ("timeline", [{"at": 5, "join": 1000}], "timeline", "1008 cells; at most 64"),
         ("timeline", [{"at": 5, "leave": ["cell-1", "cell-1"]}], "timeline[0].leave", "'cell-1' more than once"),
     ],
 )

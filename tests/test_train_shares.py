@@ -365,3 +365,66 @@ def test_two_trainer_cells_reduce_their_own_shares(tmp_path):
     for (name, p), a, b in zip(ref.model.named_parameters(), w0, w_ref):
         assert_adam_step(new.published.weights[name], b, a, p.grad, name)
         assert_adam_step(cut.published.weights[name], a + s * (b - a), a, p.grad, name)
+
+
+def _after_gate(gate, step, shares, state):
+    """``apply_update`` once ``gate`` (a task's result) is there: an update held back."""
+    from gyreflow.stages import apply_update
+
+    return apply_update(step, shares, state)
+
+
+def _wait_open(name: str) -> bool:
+    from distributed import Event
+
+    return Event(name).wait(60)
+
+
+def test_a_leaving_trainer_cell_stays_until_the_update_took_its_gradient_sums():
+    """A trainer cell retired between its shares and their update: its gradient sums live in its
+    memory, so it leaves only once the update has taken them (the update equals one trainer on
+    every sample), and Dask's own downscaling spares it meanwhile."""
+    import sys
+    import threading
+
+    import cloudpickle
+    from distributed import Client, Event
+
+    from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_info
+    from gyreflow.cluster.pools import EXECUTION, TRAINER
+    from gyreflow.stages import _published, gradient_share
+    from gyreflow.train.state import GroupSamples, PolicyState
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    data = samples(8, 7)
+    optim = OptimConfig(lr=1e-2)
+    published = _published(build_policy(TINY, seed=3), 0, optim, "leave-test")
+    want = Trainer(build_policy(TINY, seed=3), optim, version=0).rl_step(data, "ppo_clip", clip_eps=0.2)
+    with local_cluster(PoolSpec(rollout=1, trainer=2, execution_slots=2)) as cluster, Client(cluster) as client:
+        client.wait_for_workers(4)
+        install(client, torch_threads=1, engine_options={"max_batch": 4, "max_seq_len": 256}, mode="async")
+        info = workers_info(client)
+        cells = sorted(a for a, w in info.items() if w.get("resources", {}).get(TRAINER))
+        shares = [client.submit(gradient_share, GroupSamples(data, [], []), published, j, 4, "ppo_clip",
+                                {"clip_eps": 0.2}, key=f"grad-0-leave-{j}", workers=[cells[j % 2]],
+                                allow_other_workers=False, resources={TRAINER: 1}) for j in range(4)]
+        # The update is submitted with its shares, as a step's graph is.
+        gate = client.submit(_wait_open, "open-update", key="gate", resources={EXECUTION: 1})
+        update = client.submit(_after_gate, gate, 0, shares, PolicyState(published), key="update-0-leave",
+                               workers=[cells[0]], allow_other_workers=False, resources={TRAINER: 1})
+        client.gather(shares)
+        retired: dict = {}
+        leaving = threading.Thread(target=lambda: retired.update(
+            client.sync(client.scheduler.gyreflow_retire, cell=cells[1])))
+        leaving.start()
+        closing = client.sync(client.scheduler.workers_to_close, n=10)
+        assert cells[1] not in closing  # downscaling spares the cell whose sums are still needed
+        Event("open-update", client=client).set()
+        new = update.result(timeout=60)
+        leaving.join(timeout=60)
+        assert not leaving.is_alive() and "error" not in retired, retired
+        assert retired["results_wait_s"] > 0  # it waited for the update
+        assert cells[1] not in workers_info(client)
+    assert new.metrics["shares"] == 4 and new.metrics["share_workers"] == cells
+    assert new.metrics["trained_tokens"] == want["trained_tokens"]
+    assert new.metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)

@@ -75,6 +75,8 @@ def stages_for(workload: Workload) -> Stages:
                   publish=emulated_publish)
 
 
+MAX_CELLS = 64
+"""Most cells a benchmark run may ever have: each is a worker process of its own."""
 MIN_TICK_WALL_S = 0.01
 """The plugin ticks at most this often in wall seconds, however short the workload's calls."""
 
@@ -163,7 +165,7 @@ class _Run:
     def __init__(self, workload: Workload, mode_name: str, split: tuple[int, int], log, options: dict | None,
                  shares_per_group: int, execution_workers: int = 1) -> None:
         self.execution_workers = execution_workers
-        self.routing = RoutingOptions(max_batch=workload.cost.max_batch)
+        self.routing = RoutingOptions()
         self.w, self.mode, self.log = workload, placement_mode(mode_name), log
         self.mode_name = mode_name
         self.split = self.mode.start_split(*split)
@@ -341,6 +343,9 @@ def run_bench(workload: Workload, repeats: int = 1, arms=ARMS, splits: list[tupl
     """Every arm on ``workload``, interleaved, ``repeats`` times; figures, spreads and ratios."""
     cells = workload.cells
     candidates = splits or default_splits(cells)
+    if workload.max_cells > MAX_CELLS:
+        raise WorkloadError(f"{workload.name}: field {'timeline' if workload.timeline else 'cells'!r} gives the run "
+                            f"{workload.max_cells} cells; the benchmark runs at most {MAX_CELLS} (one worker process each)")
 
     def refuse(arm: str, split: tuple[int, int], timeline: bool = True) -> None:
         why = (arm_problem(workload, ARM_MODE[arm], split) if timeline

@@ -20,8 +20,6 @@ _TOP = {
 _CHANGES = {"from_step", "tokens_per_execution", "tokens_per_call", "tool_output_tokens", "tool_latency",
             "tasks_per_step", "samples_per_task", "train_share"}
 
-MAX_CELLS = 64
-"""Most cells a workload may ever have: the benchmark starts one worker process per cell."""
 MAX_EXECUTION_TOKENS = 100_000_000
 """Most tokens one execution may generate (100x the longest horizon gyreflow targets)."""
 MAX_CALLS = 100_000
@@ -115,10 +113,7 @@ def workload_from_dict(data: Any, source: str = "<dict>") -> Workload:
 
 
 def _check_sizes(p: "_Parser", w: Workload) -> None:
-    """Refuse what the benchmark could not hold: too many cells, executions too long to emulate."""
-    if w.max_cells > MAX_CELLS:
-        p.fail("timeline" if w.timeline else "cells", f"gives the run {w.max_cells} cells; at most {MAX_CELLS} "
-                                                      "(one worker process each)")
+    """Refuse executions the benchmark could not emulate: too many tokens, calls or KV bytes."""
     for k in range(w.steps):
         at = w.at(k)
         where = next((f"schedule[{i}]" for i, c in reversed(list(enumerate(w.schedule)))

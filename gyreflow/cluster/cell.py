@@ -70,11 +70,14 @@ class CellService(WorkerPlugin):
         except InjectedFault as err:
             return {"error": f"role change to {role!r} failed: {err}"}
         engine = self.worker.plugins.get(ENGINE_PLUGIN)
+        accepting = engine.accepting if engine is not None else None
         if engine is not None and role != ROLLOUT:
             engine.accepting = False
         try:
             await self.worker.set_resources(**{ROLLOUT: float(role == ROLLOUT), TRAINER: float(role == TRAINER)})
         except (OSError, RuntimeError) as err:  # the scheduler went away (the cluster is closing)
+            if engine is not None:  # the role did not change: neither does what the engine takes
+                engine.accepting = accepting
             return {"error": f"role change to {role!r} failed: {type(err).__name__}: {err}"}
         if engine is not None and role == ROLLOUT:
             engine.accepting = True

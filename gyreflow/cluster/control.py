@@ -199,7 +199,7 @@ class Controller:
         emptiest (the generation migrates; their next calls go there)."""
         snap = RouteSnapshot(self.routes.engines(), self.routes.sessions)
         count: dict[tuple[str, str], int] = {}
-        for _, src, dst in rebalance_sessions(snap, self.routes.priority):
+        for _, src, dst in rebalance_sessions(snap, self.routes.priority, self.routing.slack):
             count[(src, dst)] = count.get((src, dst), 0) + 1
         for (src, dst), n in count.items():
             # Any of the donor's sessions may go, youngest first: only those with a generation in

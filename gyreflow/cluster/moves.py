@@ -10,7 +10,8 @@ trainer -> rollout
     cell stays a trainer), then its engine takes calls again.
 retire
     A cell leaving the cluster (spot capacity reclaimed, a host drained): its generations migrate,
-    it leaves both pools, then the scheduler retires the worker.
+    it leaves both pools, the update that needs the gradient sums it holds takes them
+    (``handover_s`` at most), then the scheduler retires the worker.
 
 A move that fails at any point leaves the cell in a role it can serve (a drained cell that cannot
 become a trainer takes calls again) and every generation where it was or where it went: the
@@ -19,13 +20,14 @@ engines never drop an exported generation (:mod:`gyreflow.engine.service`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 
 from gyreflow.cluster.clock import Clock
 from gyreflow.cluster.placement import Move
-from gyreflow.cluster.pools import ROLLOUT, TRAINER, trainer_tasks
+from gyreflow.cluster.pools import ROLLOUT, TRAINER, is_cell, results_still_needed, role_of, trainer_tasks
 from gyreflow.cluster.routes import RouteTable
 from gyreflow.cluster.stealing import schedule_unrunnable, spread_trainer_tasks
 from gyreflow.cluster.status import Books
@@ -73,7 +75,9 @@ class Mover:
         return [a for a, r in self.roles().items() if r == TRAINER and a not in self.moving]
 
     def spread(self) -> None:
-        spread_trainer_tasks(self.scheduler, self.roles(), self.trainers())
+        # Donors: every cell, those between pools too (a cell handing over, or leaving, keeps none).
+        cells = {a: role_of(ws.resources) for a, ws in list(self.scheduler.workers.items()) if is_cell(ws.resources)}
+        spread_trainer_tasks(self.scheduler, cells, self.trainers())
 
     async def apply(self, move: Move, decided: float | None = None) -> dict:
         """Carry out ``move``; the log entry (``error`` or ``aborted`` when it did not happen)."""
@@ -204,13 +208,19 @@ class Mover:
     async def retire(self, addr: str) -> dict:
         """Take ``addr`` out of the cluster without losing what it runs: its generations migrate,
         it leaves both pools (trainer tasks on it run again elsewhere), then Dask retires it."""
+        decided = self.clock.now()
+        limit = time.monotonic() + self.clock.to_wall(self.handover_s)
+        while addr in self.moving and time.monotonic() < limit:  # a move of the cell under way ends first
+            await asyncio.sleep(0.02)
         self.moving[addr] = "gone"
-        entry = {"cell": addr, "to": "gone", "reason": "the cell leaves the cluster", "decided": self.clock.now()}
+        entry = {"cell": addr, "to": "gone", "reason": "the cell leaves the cluster", "decided": decided}
         try:
             if self.roles().get(addr) == ROLLOUT:
                 entry |= await self.drain(addr)
             await self.scheduler.rpc(addr).gyreflow_set_role(role=None)
             self.routes.forget_engine(addr)
+            self.spread()  # its queued trainer tasks go to the trainer cells now
+            entry |= await self._results_taken(addr)
             await self.scheduler.retire_workers(workers=[addr], close_workers=True, remove=True,
                                                 stimulus_id=f"gyreflow-retire-{time.time()}")
         except Exception as err:
@@ -224,6 +234,21 @@ class Mover:
         self.books.roles_changed(entry["applied"], time.time(), self.roles())
         await self.routes.engines_changed()
         return entry
+
+    async def _results_taken(self, addr: str) -> dict:
+        """Wait until no trainer task needs a result ``addr`` holds (``handover_s`` at most): Dask
+        would copy the shares' small results elsewhere as it retires the cell, but their gradient
+        sums stay in the cell's memory and would be lost with it."""
+        t0 = time.time()
+        limit = self.clock.to_wall(self.handover_s)
+        while held := results_still_needed(self.scheduler.workers.get(addr)):
+            if time.time() - t0 > limit:
+                log.warning("gyreflow: cell %s leaves with %d results still needed after %.0fs", addr, len(held),
+                            self.handover_s)
+                return {"results_left": len(held)}
+            await asyncio.sleep(0.02)
+        waited = time.time() - t0
+        return {"results_wait_s": self.clock.from_wall(waited)} if waited > 0.001 else {}
 
     async def evict(self, src: str, dst: str, sessions: list[str], count: int) -> None:
         """Move up to ``count`` of ``sessions`` (in order of preference) from engine ``src`` to ``dst``

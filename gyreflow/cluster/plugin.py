@@ -42,7 +42,7 @@ from gyreflow.cluster.control import Controller, Timing
 from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.moves import Mover
 from gyreflow.cluster.placement import Move
-from gyreflow.cluster.pools import ROLLOUT, TRAINER, cell_roles, is_trainer_task, trainer_tasks
+from gyreflow.cluster.pools import ROLLOUT, TRAINER, cell_roles, is_trainer_task, results_still_needed, trainer_tasks
 from gyreflow.cluster.routes import RouteTable
 from gyreflow.cluster.routing import RoutingOptions
 from gyreflow.cluster.status import Books, PoolsStatus
@@ -112,7 +112,9 @@ class PoolsPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler, worker: str, **kwargs) -> None:
         self.routes.forget_engine(worker)  # its sessions are re-routed at their next call
+        self.routes.forget_caller(worker)  # executions that ran there are re-run as new sessions
         self.routes.unready.discard(worker)
+        self.routes.announced.discard(worker)
         self.mover.since.pop(worker, None)
         self.controller.idle_since.pop(worker, None)
         self.books.roles_changed(self.clock.now(), time.time(), {a: r for a, r in cell_roles(scheduler).items()
@@ -120,10 +122,11 @@ class PoolsPlugin(SchedulerPlugin):
 
     def valid_workers_downscaling(self, scheduler, workers: list) -> list:
         """When the cluster manager shrinks the cluster (``cluster.adapt``), spare the cells that
-        hold work now: a trainer cell with trainer tasks, a rollout cell serving sessions, a cell
-        being moved. Roles are the plugin's; counts stay the cluster manager's."""
+        hold work now: a trainer cell with trainer tasks, a cell with gradient sums an update has
+        not taken yet, a rollout cell serving sessions, a cell being moved. Roles are the plugin's; counts stay the cluster manager's."""
         busy = set(self.mover.moving) | set(self.routes.sessions.values())
         busy |= {addr for addr in cell_roles(scheduler) if trainer_tasks(scheduler.workers.get(addr))}
+        busy |= {addr for addr, ws in scheduler.workers.items() if results_still_needed(ws)}
         return [ws for ws in workers if ws.address not in busy]
 
     def transition(self, key, start, finish, *args, **kwargs) -> None:
@@ -165,12 +168,17 @@ class PoolsPlugin(SchedulerPlugin):
         """Switch the placement mode (e.g. at the start of a pipeline), the loop's timing and routing."""
         try:
             policy = placement_mode(mode).make_policy(**(options or {}))
+            if placement_mode(mode).moves_cells and self.scheduler.extensions.get("stealing") is None:
+                # a cell leaving the trainer pool hands its queued trainer tasks over by stealing
+                raise ValueError(f"placement {mode!r} moves cells, which needs Dask's work stealing: start the "
+                                 "scheduler with distributed.scheduler.work-stealing: True")
             new_timing = Timing(**timing) if timing else self.timing
             new_routing = RoutingOptions(**routing) if routing else self.routing
         except (ValueError, TypeError) as err:
             return {"error": str(err)}
         self.mode, self.options = mode, dict(options or {})
         self.timing = self.controller.timing = new_timing
+        self.controller.arrivals.window_s = new_timing.rate_window_s
         self.mover.handover_s = new_timing.handover_s
         self.routing = self.controller.routing = new_routing
         self.controller.policy = policy

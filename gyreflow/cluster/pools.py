@@ -31,6 +31,11 @@ def workers_by_pool(worker_resources: dict[str, dict[str, float]]) -> dict[str, 
     return pools
 
 
+def is_cell(resources: dict[str, float]) -> bool:
+    """Whether a worker with ``resources`` is a cell: in a pool, or between pools while it moves."""
+    return ROLLOUT in resources or TRAINER in resources
+
+
 def role_of(resources: dict[str, float]) -> str | None:
     """The cell role of a worker with ``resources``: ``rollout``, ``trainer`` or ``None`` (not a
     cell now: an execution worker, or a cell held out of both pools)."""
@@ -49,6 +54,17 @@ def is_trainer_task(ts) -> bool:
 def trainer_tasks(ws) -> list:
     """Trainer tasks running on or queued for a scheduler ``WorkerState`` (``None``: none)."""
     return [ts for ts in ws.processing if is_trainer_task(ts)] if ws is not None else []
+
+
+def results_still_needed(ws) -> list:
+    """Results of trainer tasks held on a scheduler ``WorkerState`` that a trainer task still to
+    run (or running) needs: a step's gradient shares before its update has taken their sums, which
+    live on the cell that computed them (``None``: none)."""
+    if ws is None:
+        return []
+    return [ts for ts in ws.has_what if is_trainer_task(ts)
+            and any(d.state in ("waiting", "queued", "no-worker", "processing") and is_trainer_task(d)
+                    for d in ts.dependents)]
 
 
 def cell_roles(scheduler) -> dict[str, str]:

@@ -28,6 +28,11 @@ from gyreflow.engine.base import GenerationRequest, GenerationResult
 from gyreflow.engine.streams import token_sink
 from gyreflow.engine.wire import msg_to_result, request_to_msg
 
+REROUTES_AT_ONCE = 3
+"""Calls one request may be sent back (engine moving, or without weights) before the router waits
+between tries, doubling from 20 ms up to :data:`REROUTE_BACKOFF_MAX_S`."""
+REROUTE_BACKOFF_MAX_S = 0.5
+
 
 class RouteError(RuntimeError):
     """No engine could serve the call."""
@@ -72,7 +77,8 @@ class Router:
         """Calls sent again (or collected elsewhere) because their engine failed or lost them."""
 
     async def _route(self) -> str:
-        route = await self.worker.scheduler.gyreflow_route(session=self.session, priority=self.priority)
+        route = await self.worker.scheduler.gyreflow_route(session=self.session, priority=self.priority,
+                                                            caller=self.worker.address)
         if "error" in route:
             raise RouteError(route["error"])
         return route["engine"]
@@ -80,7 +86,7 @@ class Router:
     async def agenerate_msg(self, msg: dict) -> dict:
         """Serve one request message; the reply message of the engine that finished it."""
         msg = {**msg, "priority": self.priority}
-        failures, last = 0, None
+        failures, last, sent_back = 0, None, 0
         pending: tuple[str, str] | None = None  # (engine, request id) of a migrated generation
         while True:
             if pending is None and self.engine is None:
@@ -108,9 +114,12 @@ class Router:
                 continue
             if out.get("reroute"):
                 self.reroutes += 1
+                sent_back += 1
                 await self.worker.scheduler.gyreflow_release(session=self.session,
                                                              unready=self.engine if out.get("unready") else None)
                 self.engine = None
+                if sent_back > REROUTES_AT_ONCE:  # the table still names engines that send calls back
+                    await asyncio.sleep(min(REROUTE_BACKOFF_MAX_S, 0.01 * 2 ** (sent_back - REROUTES_AT_ONCE)))
                 continue
             if "moved" in out:
                 self.migrations += 1

@@ -2,7 +2,7 @@
 migrations took its requests. Decisions come from :mod:`gyreflow.cluster.routing`; this keeps the
 table and serves the routers' RPCs:
 
-``gyreflow_route(session, engine=None, timeout, priority)``
+``gyreflow_route(session, engine=None, timeout, priority, caller)``
     The engine for the session's next call (``engine`` records where a migration took it).
 ``gyreflow_release(session)``
     The session ended, or must be routed afresh.
@@ -39,12 +39,17 @@ class RouteTable:
         self.poke = poke
         self.unready: set[str] = set()
         """Rollout engines that answered they have no weights yet (until they announce ready)."""
+        self.announced: set[str] = set()
+        """Engines that announced they have weights (an engine keeps them until its worker goes):
+        an "unready" answer of theirs that arrives after the announcement is stale."""
         self.sessions: dict[str, str] = {}
         """session -> engine address it is routed to."""
         self.priority: dict[str, float] = {}
         """session -> admission priority its router gave (its execution's start time)."""
         self.routed_at: dict[str, float] = {}
         """session -> wall time of its last route request (activity, for the stall detector)."""
+        self.callers: dict[str, str] = {}
+        """session -> address of the worker its router runs on (its sessions end if that worker goes)."""
         self.located: dict[str, str] = {}
         """request id -> cell that imported it in a migration (dropped when its session ends)."""
         self.waiting = 0
@@ -81,8 +86,17 @@ class RouteTable:
             del self.sessions[s]
         self.poke()
 
+    def forget_caller(self, worker: str) -> list[str]:
+        """Release the sessions whose routers ran on ``worker`` (it left: they will never release
+        themselves, and would count as live executions for ever); the sessions released."""
+        gone = [s for s, w in self.callers.items() if w == worker]
+        for s in gone:
+            self.release(s)
+        return gone
+
     async def ready(self, engine: str) -> None:
         """``engine`` has weights now: route to it again."""
+        self.announced.add(engine)
         if engine in self.unready:
             self.unready.discard(engine)
             await self.engines_changed()
@@ -95,10 +109,13 @@ class RouteTable:
     # ------------------------------------------------------------------ RPCs
 
     async def route(self, session: str, engine: str | None = None, timeout: float = 600.0,
-                    priority: float | None = None) -> dict:
+                    priority: float | None = None, caller: str | None = None) -> dict:
         """The engine for ``session``'s next call; waits (up to ``timeout`` wall s) while no engine
-        takes calls, and counts as rollout demand meanwhile."""
+        takes calls, and counts as rollout demand meanwhile. ``caller``: the worker the session's
+        router runs on."""
         self.routed_at[session] = time.time()
+        if caller is not None:
+            self.callers[session] = caller
         if priority is not None:
             self.priority[session] = priority
         if engine is not None:
@@ -127,12 +144,13 @@ class RouteTable:
         """Forget ``session``'s route and where migrations took its requests (ids ``<session>`` or
         ``<session>/...``; not those of a session ``<session>0``). ``unready``: the engine that sent
         it away has no weights yet."""
-        if unready is not None:
+        if unready is not None and unready not in self.announced:
             self.unready.add(unready)
         if self.sessions.pop(session, None) is not None:
             self.poke()
         self.priority.pop(session, None)
         self.routed_at.pop(session, None)
+        self.callers.pop(session, None)
         for rid in [r for r in self.located if r == session or r.startswith(f"{session}/")]:
             del self.located[rid]
 

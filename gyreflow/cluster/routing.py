@@ -12,8 +12,13 @@ from dataclasses import dataclass, field
 class RoutingOptions:
     """How sessions are spread over the rollout engines."""
 
-    max_batch: int = 32
-    """Generations one engine runs at once."""
+    slack: int = 2
+    """Sessions an engine may serve above its fair share before its youngest move to the
+    emptiest engines (see :func:`rebalance_sessions`)."""
+
+    def __post_init__(self) -> None:
+        if self.slack < 0:
+            raise ValueError(f"slack must not be negative, got {self.slack}")
 
 
 @dataclass(frozen=True)

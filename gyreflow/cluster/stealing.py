@@ -24,12 +24,13 @@ def schedule_unrunnable(scheduler, addr: str) -> None:
         scheduler.transitions(recs, stimulus_id=f"gyreflow-new-trainer-{time.time()}")
 
 
-def spread_trainer_tasks(scheduler, roles: dict[str, str], trainers: list[str]) -> int:
+def spread_trainer_tasks(scheduler, roles: dict[str, str | None], trainers: list[str]) -> int:
     """Steal queued trainer tasks onto the least loaded of ``trainers``; the number of steals asked.
 
-    Donors are every cell holding trainer tasks: a trainer cell keeps its first task (it runs, or
-    soon will: a worker runs its queue in priority order, and a steal of it would be refused), a
-    cell that left the trainer pool keeps none. Steals take from the back of each queue.
+    Donors are the cells in ``roles`` (address -> role, ``None`` between pools) holding trainer
+    tasks: a trainer cell keeps its first task (it runs, or soon will: a worker runs its queue in
+    priority order, and a steal of it would be refused), a cell that left the trainer pool keeps
+    none. Steals take from the back of each queue.
     """
     stealing = scheduler.extensions.get("stealing")
     if stealing is None or not trainers:

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from distributed import Client, Future, wait
 
-from gyreflow.cluster.local import cells_of
+from gyreflow.cluster.local import cells_of, workers_info
 from gyreflow.cluster.modes import mode as placement_mode
-from gyreflow.cluster.pools import ROLLOUT, TRAINER
+from gyreflow.cluster.pools import ROLLOUT, is_cell
 from gyreflow.config import RunConfig
 from gyreflow.model.tokenizer import VOCAB_SIZE
 from gyreflow.stages import run_execution
@@ -34,9 +34,11 @@ def engine_options(cfg: RunConfig) -> dict:
 
 
 def engine_cells(client: Client, cfg: RunConfig) -> list[str]:
-    """Cells whose engines get each weights version: those that may roll out in this mode."""
-    pools = cells_of(client)
-    return pools[ROLLOUT] + (pools[TRAINER] if placement_mode(cfg.cluster.placement).trainers_roll_out else [])
+    """Cells whose engines get each weights version: those that may roll out in this mode (where
+    trainer cells may, every cell, those between pools in a move too)."""
+    if placement_mode(cfg.cluster.placement).trainers_roll_out:
+        return sorted(a for a, w in workers_info(client).items() if is_cell(w.get("resources", {})))
+    return cells_of(client)[ROLLOUT]
 
 
 def step_args(cfg: RunConfig) -> dict:
