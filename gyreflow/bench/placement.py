@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import asdict
 from functools import partial
 
-from distributed import Client, wait
+from distributed import Client
 
 from gyreflow.bench.bounds import batched_bound, lower_bound
 from gyreflow.bench.report import git_revision, spread
@@ -58,7 +58,7 @@ from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_inf
 from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import ROLLOUT, TRAINER
 from gyreflow.cluster.routing import RoutingOptions
-from gyreflow.stepgraph import Group, Stages, submit_step
+from gyreflow.stepgraph import Group, Stages, publish, submit_step
 from gyreflow.train.state import PolicyState, PublishedWeights
 
 ARMS = ("colocated", "async_user", "async_oracle", "lend", "elastic")
@@ -232,12 +232,7 @@ class _Run:
         info = workers_info(self.client)
         targets = [a for a, v in info.items() if str(v["name"]).startswith("cell-")
                    and (self.mode.trainers_roll_out or v.get("resources", {}).get(TRAINER, 0) == 0)]
-        done = [self.client.submit(self.stages.publish, published, key=f"publish-v{version}-{a.split('//')[-1]}",
-                                   workers=[a], allow_other_workers=False, pure=False) for a in targets]
-        wait(done, timeout=60)  # a cell that left meanwhile does not hold the run up
-        for f in done:
-            if not f.done():
-                f.cancel()
+        publish(self.client, self.stages, published, targets, version)  # skips a cell that leaves meanwhile
 
     def _finish(self, sf) -> dict:
         update = sf.update.result()

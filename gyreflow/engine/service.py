@@ -44,6 +44,9 @@ from gyreflow.engine.wire import msg_to_request, msg_to_state, result_to_msg, st
 from gyreflow.faults import FAULTS
 
 PLUGIN_NAME = "gyreflow-engine"
+IMPORT_TIMEOUT_S = 300.0
+"""Longest wait for a destination to take a batch of migrated generations; past it they are
+withdrawn from it and resume here."""
 
 EngineFactory = Callable[..., object]
 """``factory(hf_config, weights, version, name, **engine_options) -> engine``."""
@@ -324,8 +327,10 @@ class EngineService(WorkerPlugin):
 
                 async def send(dest: str, batch: list) -> None:
                     try:
-                        out = await self.worker.rpc(dest).gyreflow_import(states=[self._state_msg(s) for s in batch])
-                    except OSError:  # it may have taken them before the line failed: they must not run twice
+                        out = await asyncio.wait_for(
+                            self.worker.rpc(dest).gyreflow_import(states=[self._state_msg(s) for s in batch]),
+                            IMPORT_TIMEOUT_S)
+                    except Exception:  # it may have taken them before the line failed: they must not run twice
                         await self._unsend(dest, [s.request_id for s in batch])
                         return
                     if "error" not in out:
@@ -363,7 +368,7 @@ class EngineService(WorkerPlugin):
         for rid in request_ids:
             try:
                 await asyncio.wait_for(self.worker.rpc(dest).gyreflow_abort(request_id=rid), 30)
-            except (OSError, asyncio.TimeoutError):
+            except Exception:
                 return
 
     def _keep(self, states: list) -> dict:
