@@ -44,6 +44,13 @@ class Registry(Generic[F]):
 
         return decorator
 
+    def unregister(self, name: str) -> F:
+        """Remove ``name`` (e.g. an entry a test or an extension added for a while); what it held."""
+        try:
+            return self._fns.pop(name)
+        except KeyError:
+            raise ValueError(f"no {self.kind} {name!r} is registered") from None
+
     def get(self, name: str) -> F:
         """The function registered as ``name``.
 

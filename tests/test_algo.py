@@ -260,6 +260,9 @@ def test_registry_register_and_duplicate() -> None:
     assert "double" in reg and reg.names() == ["double"]
     with pytest.raises(ValueError, match="already registered"):
         reg.register("double")(lambda x: x)
+    assert reg.unregister("double") is double and "double" not in reg and reg.names() == []
+    with pytest.raises(ValueError, match="no thing 'double' is registered"):
+        reg.unregister("double")
 
 
 def test_dual_clip_bounds_a_negative_advantage_with_a_large_ratio():

@@ -10,6 +10,7 @@ compared with the same request generated on an in-process engine that never move
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -21,6 +22,8 @@ import torch
 from distributed import Client, Event, get_worker
 
 from gyreflow.cluster.local import PoolSpec, install, local_cluster, workers_info
+from gyreflow.cluster.modes import PLACEMENTS, PlacementMode
+from gyreflow.cluster.moves import Deadlines
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER
 from gyreflow.cluster.router import RequestRefused, Router
 from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingParams
@@ -554,6 +557,67 @@ def test_a_training_cell_hands_over_and_rolls_out(client, published):
     assert engine_stats(client, c1)["accepting"]
 
 
+SEEN: list = []
+"""Snapshots shown to the ``watching`` placement mode."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchingPolicy:
+    """Moves nothing (as ``async``) and keeps every snapshot it is shown."""
+
+    name: str = "watching"
+
+    def decide(self, snap):
+        SEEN.append(snap)
+        return []
+
+
+def held_trainer_task(tag: str, gate: str) -> dict:
+    """A trainer task that says it started (Dask event ``<tag>-started``), then runs until ``gate`` is set."""
+    Event(f"{tag}-started").set()
+    Event(gate).wait(timeout=60)
+    return trainer_task(tag, 0.0)
+
+
+def test_a_cell_handing_over_counts_in_the_pool_it_moves_to(client, published):
+    """While a trainer cell hands over to rollout (out of both pools until its running trainer task
+    ends), the policy sees it as a rollout cell being moved, not as a cell that left."""
+    PLACEMENTS.register("watching")(PlacementMode("watching", WatchingPolicy, "records what it sees (tests)",
+                                                  moves_cells=False))
+    try:
+        handover_watched(client, published)
+    finally:
+        PLACEMENTS.unregister("watching")
+
+
+def handover_watched(client: Client, published) -> None:
+    names = layout(client, published, rollout=("cell-0",), trainer=("cell-1", "cell-2"))
+    c0, c1, c2 = names["cell-0"], names["cell-1"], names["cell-2"]
+    gate = f"handover-gate-{time.time()}"
+    held = client.submit(held_trainer_task, "held", gate, key=f"held-{gate}", workers=[c1], resources=TRAIN,
+                         allow_other_workers=False, pure=False)
+    assert Event("held-started", client=client).wait(timeout=30)
+    assert client.sync(client.scheduler.gyreflow_placement, mode="watching") == {"mode": "watching"}
+    out: dict = {}
+    mover = threading.Thread(target=lambda: out.setdefault("entry", move(client, c1, ROLLOUT)))
+    mover.start()
+    try:
+        wait_for(lambda: c1 in pools(client)["moving"] and c1 not in pools(client)["pools"][TRAINER], timeout=30,
+                 what="the cell out of the trainer pool, handing over")
+        seen = len(SEEN)
+        wait_for(lambda: len(SEEN) > seen + 1, timeout=30, what="a snapshot taken during the hand-over")
+        cells = {c.address: c for c in SEEN[-1].cells}
+        assert c1 in cells and cells[c1].role == ROLLOUT and cells[c1].moving
+        assert sorted(c.address for c in SEEN[-1].role(ROLLOUT)) == sorted([c0, c1])
+        assert [c.address for c in SEEN[-1].role(TRAINER)] == [c2]
+    finally:
+        Event(gate, client=client).set()
+        mover.join(timeout=60)
+        assert client.sync(client.scheduler.gyreflow_placement, mode="async") == {"mode": "async"}
+    assert held.result(timeout=30)["worker"] == c1
+    assert out["entry"]["handover_s"] > 0 and pools(client)["roles"][c1] == ROLLOUT
+
+
 def test_downscaling_spares_busy_cells(client, published):
     """Retiring workers (adaptive scaling) never takes a cell that serves sessions or trains."""
     names = layout(client, published)
@@ -588,6 +652,62 @@ def test_publishing_skips_a_cell_that_left(client, published):
                   version=VERSION)
     assert [o["engine"] for o in out] == [names["cell-0"], names["cell-1"]]
     assert all(o["version"] == VERSION for o in out)
+
+
+def deadlines(client: Client, **limits) -> None:
+    """Set the plugin's deadlines for cells to answer (none given: the defaults)."""
+    out = client.sync(client.scheduler.gyreflow_placement, mode="async",
+                      deadlines=dataclasses.asdict(Deadlines(**limits)))
+    assert out == {"mode": "async"}, out
+
+
+@pytest.mark.parametrize("point, call, limit", [("set_role", "gyreflow_set_role", "role_s"),
+                                               ("before_export", "gyreflow_drain", "migration_s")])
+def test_a_cell_that_does_not_answer_fails_its_move_and_its_late_answer_changes_nothing(client, published, point, call,
+                                                                                        limit):
+    """A cell holds a step of a move (its drain, or its role change) 3 s while the plugin waits 1 s
+    at most: the move ends, aborted and naming the cell and the call, and the cell serves rollout
+    again at once; when the held step runs at last it changes nothing (a role change older than
+    the restore is refused; a drain finds nothing to move)."""
+    names = layout(client, published)
+    c0 = names["cell-0"]
+    deadlines(client, **{limit: 1.0})
+    try:
+        armed = client.sync(client.scheduler.gyreflow_fault, cell=c0, point=point, times=1, delay_s=3.0)
+        assert armed["armed"] == point
+        held_from = time.monotonic()
+        entry = client.sync(client.scheduler.gyreflow_move, cell=c0, to=TRAINER, reason="test")
+        assert f"{c0} did not answer {call} within 1s" in entry.get("aborted", ""), entry
+        state = pools(client)
+        assert state["moving"] == [] and state["roles"][c0] == ROLLOUT
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - held_from)) + 3.0)  # the held step has run by now
+        assert pools(client)["roles"][c0] == ROLLOUT and engine_stats(client, c0)["accepting"]
+        res, _, _ = client.submit(one_call, request(f"after-late-{point}", 8, 5, max_tokens=4), resources=SLOT,
+                                  pure=False).result(timeout=60)
+        assert len(res.completion_ids) >= 1
+        assert move(client, c0, TRAINER)["to"] == TRAINER  # the cell takes the next move
+    finally:
+        deadlines(client)
+
+
+def test_a_second_move_of_a_cell_under_way_is_refused(client, published):
+    """A move asked for a cell that is already moving, to the same role or not, is refused while
+    the first runs; the first completes."""
+    names = layout(client, published)
+    c0 = names["cell-0"]
+    armed = client.sync(client.scheduler.gyreflow_fault, cell=c0, point="after_export", times=1, delay_s=1.0)
+    assert armed["armed"] == "after_export"
+    out: dict = {}
+    first = threading.Thread(target=lambda: out.setdefault("entry", move(client, c0, TRAINER)))
+    first.start()
+    wait_for(lambda: c0 in pools(client)["moving"], timeout=10, what="the first move under way")
+    for to in (TRAINER, ROLLOUT):
+        again = client.sync(client.scheduler.gyreflow_move, cell=c0, to=to, reason="test")
+        assert again["aborted"] == "a move of the cell to trainer is under way", again
+    first.join(timeout=60)
+    assert out["entry"]["to"] == TRAINER and pools(client)["roles"][c0] == TRAINER
+    applied = [m for m in pools(client)["move_log"] if m["cell"] == c0 and m.get("applied", 0) >= out["entry"]["decided"]]
+    assert [m.get("aborted") is None for m in applied].count(True) == 1
 
 
 def test_modes_that_move_cells_need_work_stealing():

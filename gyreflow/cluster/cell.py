@@ -31,9 +31,12 @@ class CellService(WorkerPlugin):
     def __init__(self) -> None:
         self.worker = None
         self.changes = 0
+        self._changing: asyncio.Lock | None = None
+        self._seq = -1
 
     async def setup(self, worker) -> None:
         self.worker = worker
+        self._changing = asyncio.Lock()
         tune_allocator()
         worker.handlers["gyreflow_set_role"] = self.set_role
         worker.handlers["gyreflow_fault"] = self.fault
@@ -59,9 +62,10 @@ class CellService(WorkerPlugin):
             await asyncio.sleep(0.01)
         return {"running": running}
 
-    async def set_role(self, role: str | None) -> dict:
+    async def set_role(self, role: str | None, seq: int | None = None) -> dict:
         """Serve ``role`` from now on (``None``: neither pool, the cell is held out); returns the
-        time the change took."""
+        time the change took. A change numbered ``seq`` is refused once one with a higher number was
+        applied (the scheduler gave up on it and sent another)."""
         if role not in (ROLLOUT, TRAINER, None):
             return {"error": f"unknown role {role!r}; a cell is {ROLLOUT!r} or {TRAINER!r} (or None: held out)"}
         t0 = time.perf_counter()
@@ -69,6 +73,14 @@ class CellService(WorkerPlugin):
             await FAULTS.trip("set_role")
         except InjectedFault as err:
             return {"error": f"role change to {role!r} failed: {err}"}
+        async with self._changing:  # one change at a time, so that the newest is the one that holds
+            if seq is not None:
+                if seq <= self._seq:
+                    return {"error": f"role change to {role!r} is older than one applied already (number {seq} <= {self._seq})"}
+                self._seq = seq
+            return await self._change(role, t0)
+
+    async def _change(self, role: str | None, t0: float) -> dict:
         engine = self.worker.plugins.get(ENGINE_PLUGIN)
         accepting = engine.accepting if engine is not None else None
         if engine is not None and role != ROLLOUT:

@@ -145,8 +145,14 @@ class Controller:
     def snapshot(self) -> PoolSnapshot:
         now = self.clock.now()
         load = self.routes.load()
+        roles = self.roles()
+        for addr, to in list(self.mover.moving.items()):
+            # A cell handing over is out of both pools until its running trainer task ends: it
+            # counts in the pool it moves to, or the policy would take it for a cell that left.
+            if addr not in roles and to in (ROLLOUT, TRAINER) and addr in self.scheduler.workers:
+                roles[addr] = to
         cells = []
-        for addr, role in sorted(self.roles().items()):
+        for addr, role in sorted(roles.items()):
             ws = self.scheduler.workers.get(addr)
             n_train = len(trainer_tasks(ws))
             running = sum(1 for ts in ws.executing if is_trainer_task(ts)) if ws is not None else 0
@@ -175,9 +181,8 @@ class Controller:
             "sessions": {c.address: c.sessions for c in snap.cells if c.role == ROLLOUT}, "train_queued": snap.train_work,
         }, self.timing.history_s)
         self.books.roles_changed(snap.time, time.time(), self.roles())
-        moves = [m for m in self.policy.decide(snap) if m.cell not in self.mover.moving]
-        for m in moves:
-            self.mover.moving[m.cell] = m.to  # out of routing and decisions from now on
+        moves = [m for m in self.policy.decide(snap) if self.mover.claim(m.cell, m.to)]
+        for m in moves:  # claimed: out of routing and decisions from now on
             self._spawn(self._apply(m, snap.time))
         self.mover.spread()
         if not self.mover.moving and snap.time - self._last_rebalance >= self.timing.rebalance_s:
@@ -189,7 +194,7 @@ class Controller:
         return moves
 
     async def _apply(self, move: Move, decided: float) -> None:
-        entry = await self.mover.apply(move, decided)
+        entry = await self.mover.apply(move, decided, claimed=True)
         if not entry.get("error") and not entry.get("aborted"):
             self.idle_since[move.cell] = None
             self.poke()  # a failed move is retried at the next regular tick, not in a tight loop

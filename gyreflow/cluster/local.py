@@ -16,6 +16,7 @@ from gyreflow.cluster.cell import CellService
 from gyreflow.cluster.clock import WALL, Clock
 from gyreflow.cluster.control import Timing
 from gyreflow.cluster.modes import mode as placement_mode
+from gyreflow.cluster.moves import Deadlines
 from gyreflow.cluster.plugin import PoolsPlugin
 from gyreflow.cluster.routing import RoutingOptions
 from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER, workers_by_pool
@@ -163,10 +164,12 @@ def _check_engine_context(client: Client, engine_options: dict) -> None:
 
 def install(client: Client, torch_threads: int | None, engine_options: dict, mode: str = "async",
             placement_options: dict | None = None, engine_factory=None, clock: Clock = WALL,
-            timing: Timing | None = None, routing: RoutingOptions | None = None) -> None:
+            timing: Timing | None = None, routing: RoutingOptions | None = None,
+            deadlines: Deadlines | None = None) -> None:
     """Register gyreflow's scheduler and worker plugins, unless the cluster already has them (a
     second pipeline on the same cluster keeps the engines and trainer replicas it finds), and
-    set the placement mode. ``clock`` and ``timing`` apply to a scheduler plugin installed now."""
+    set the placement mode. ``clock`` applies to a scheduler plugin installed now; ``timing``,
+    ``routing`` and ``deadlines`` to the one found too."""
     present = set(client.run_on_scheduler(_registered))
     engine = EngineService(engine_options, torch_threads) if engine_factory is None else \
         EngineService(engine_options, torch_threads, factory=engine_factory)
@@ -174,13 +177,14 @@ def install(client: Client, torch_threads: int | None, engine_options: dict, mod
 
     if engine.name in present:
         _check_engine_context(client, engine_options)
-    for plugin in (CellService(), engine, TrainerService(torch_threads), PoolsPlugin(mode, placement_options, clock, timing, routing=routing),
-                   ProxyPlugin()):
+    pools = PoolsPlugin(mode, placement_options, clock, timing, routing=routing, deadlines=deadlines)
+    for plugin in (CellService(), engine, TrainerService(torch_threads), pools, ProxyPlugin()):
         if plugin.name not in present:
             client.register_plugin(plugin)
     out = client.sync(client.scheduler.gyreflow_placement, mode=mode, options=placement_options or {},
                       timing=dataclasses.asdict(timing) if timing else None,
-                      routing=dataclasses.asdict(routing) if routing else None)
+                      routing=dataclasses.asdict(routing) if routing else None,
+                      deadlines=dataclasses.asdict(deadlines) if deadlines else None)
     if "error" in out:
         raise ClusterError(f"placement {mode!r}: {out['error']}")
 

@@ -15,7 +15,9 @@ retire
 
 A move that fails at any point leaves the cell in a role it can serve (a drained cell that cannot
 become a trainer takes calls again) and every generation where it was or where it went: the
-engines never drop an exported generation (:mod:`gyreflow.engine.service`).
+engines never drop an exported generation (:mod:`gyreflow.engine.service`). A cell that does not
+answer within its :class:`Deadlines` fails the move; the request it answers late changes nothing
+(a role change carries a sequence number, and a cell applies none older than one it applied).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from gyreflow.cluster.clock import Clock
 from gyreflow.cluster.placement import Move
@@ -31,12 +34,31 @@ from gyreflow.cluster.pools import ROLLOUT, TRAINER, is_cell, results_still_need
 from gyreflow.cluster.routes import RouteTable
 from gyreflow.cluster.stealing import schedule_unrunnable, spread_trainer_tasks
 from gyreflow.cluster.status import Books
+from gyreflow.engine.service import IMPORT_TIMEOUT_S, UNSEND_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 
 class MoveFailed(RuntimeError):
     """A step of a move failed; the cell was put back in a role it can serve."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Longest waits, in wall seconds whatever the plugin's clock, for a cell to answer a step of a
+    move: a cell whose event loop hangs must not hold its move open, nor the cell out of new moves."""
+
+    role_s: float = 60.0
+    """A role change (milliseconds on a cell that answers); added to ``handover_s`` for the wait
+    on a trainer task."""
+    migration_s: float = 2 * (IMPORT_TIMEOUT_S + UNSEND_TIMEOUT_S) + 60.0
+    """A drain or an eviction: the cell's own sends give up after ``IMPORT_TIMEOUT_S`` (and their
+    withdrawals after ``UNSEND_TIMEOUT_S``), and one may wait for another migration of the cell."""
+
+    def __post_init__(self) -> None:
+        for name in ("role_s", "migration_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 class Mover:
@@ -56,12 +78,16 @@ class Mover:
         The plugin's clock (moves are stamped with it).
     handover_s
         Longest wait (clock seconds) for a trainer task to finish on a cell moving to rollout.
+    deadlines
+        Longest waits (wall seconds) for a cell to answer.
     """
 
     def __init__(self, scheduler, routes: RouteTable, books: Books, roles: Callable[[], dict[str, str]],
-                 clock: Clock, handover_s: float = 600.0) -> None:
+                 clock: Clock, handover_s: float = 600.0, deadlines: Deadlines | None = None) -> None:
         self.scheduler, self.routes, self.books, self.roles, self.clock = scheduler, routes, books, roles, clock
         self.handover_s = handover_s
+        self.deadlines = deadlines or Deadlines()
+        self._role_seq = 0
         self.moving: dict[str, str] = {}
         """Cell -> the role it is moving to (``"gone"`` for a retiring cell)."""
         self.since: dict[str, float] = {}
@@ -79,12 +105,21 @@ class Mover:
         cells = {a: role_of(ws.resources) for a, ws in list(self.scheduler.workers.items()) if is_cell(ws.resources)}
         spread_trainer_tasks(self.scheduler, cells, self.trainers())
 
-    async def apply(self, move: Move, decided: float | None = None) -> dict:
-        """Carry out ``move``; the log entry (``error`` or ``aborted`` when it did not happen)."""
+    def claim(self, cell: str, to: str) -> bool:
+        """Mark ``cell`` as moving to ``to`` (out of routing and decisions) unless a move of it is
+        under way; whether it was claimed."""
+        if cell in self.moving:
+            return False
+        self.moving[cell] = to
+        return True
+
+    async def apply(self, move: Move, decided: float | None = None, claimed: bool = False) -> dict:
+        """Carry out ``move`` (``claimed``: the caller claimed the cell for it); the log entry
+        (``error`` or ``aborted`` when it did not happen)."""
         decided = self.clock.now() if decided is None else decided
-        if move.cell in self.moving and self.moving[move.cell] != move.to:
-            return {"cell": move.cell, "to": move.to, "aborted": "another move of the cell is under way"}
-        self.moving[move.cell] = move.to
+        if not claimed and not self.claim(move.cell, move.to):
+            return {"cell": move.cell, "to": move.to,
+                    "aborted": f"a move of the cell to {self.moving[move.cell]} is under way"}
         entry = {"cell": move.cell, "to": move.to, "reason": move.reason, "decided": decided,
                  "decided_wall": time.time()}
         try:
@@ -129,7 +164,7 @@ class Mover:
         """
         destinations = self._destinations(addr)
         t0 = time.time()
-        out = await self.scheduler.rpc(addr).gyreflow_drain(destinations=destinations)
+        out = await self._ask(addr, "gyreflow_drain", self.deadlines.migration_s, destinations=destinations)
         if "error" in out:
             raise MoveFailed(out["error"])
         self.routes.moved(out.get("moved", {}))
@@ -141,10 +176,29 @@ class Mover:
         return {"migrated": len(out.get("moved", {})), "migration_s": out.get("seconds", 0.0),
                 "drain_s": time.time() - t0, "bytes": out.get("bytes", 0)}
 
-    async def _set_role(self, addr: str, role: str) -> None:
-        out = await self.scheduler.rpc(addr).gyreflow_set_role(role=role)
+    async def _ask(self, addr: str, method: str, limit: float, **kwargs) -> dict:
+        """``addr``'s answer to RPC ``method``; :class:`MoveFailed` if none comes within ``limit``
+        wall seconds (the cell may still carry the request out: every request it serves is safe to
+        carry out late)."""
+        try:
+            return await asyncio.wait_for(getattr(self.scheduler.rpc(addr), method)(**kwargs), limit)
+        except TimeoutError:
+            raise MoveFailed(f"{addr} did not answer {method} within {limit:.0f}s") from None
+
+    async def set_role(self, addr: str, role: str | None) -> dict:
+        """Make ``addr`` serve ``role`` (``None``: neither pool); the cell's answer.
+
+        Raises
+        ------
+        MoveFailed
+            The cell refused or did not answer within ``deadlines.role_s``.
+        """
+        # Sequence numbers keep a late answer from undoing a later change (a restore after a timeout).
+        self._role_seq = max(self._role_seq + 1, time.time_ns())
+        out = await self._ask(addr, "gyreflow_set_role", self.deadlines.role_s, role=role, seq=self._role_seq)
         if "error" in out:
             raise MoveFailed(out["error"])
+        return out
 
     async def _undoable(self, addr: str, back: str, work) -> dict:
         """``await work()``; if it fails, ``addr`` goes back to role ``back`` (a :class:`MoveFailed`
@@ -162,7 +216,7 @@ class Mover:
         async def work() -> dict:
             out = await self.drain(addr)
             t1 = time.time()
-            await self._set_role(addr, TRAINER)
+            await self.set_role(addr, TRAINER)
             return out | {"role_s": time.time() - t1}
 
         out = await self._undoable(addr, ROLLOUT, work)
@@ -174,7 +228,7 @@ class Mover:
 
     async def _to_rollout(self, addr: str) -> dict:
         if not trainer_tasks(self.scheduler.workers.get(addr)):
-            await self._set_role(addr, ROLLOUT)
+            await self.set_role(addr, ROLLOUT)
             return {}
         if not self.trainers():
             return {"aborted": "trainer tasks on the last trainer cell"}
@@ -183,9 +237,10 @@ class Mover:
         t0 = time.time()
 
         async def work() -> dict:
-            await self._set_role(addr, None)
+            await self.set_role(addr, None)
             self.spread()
-            out = await self.scheduler.rpc(addr).gyreflow_training_done(timeout=self.clock.to_wall(self.handover_s))
+            wait = self.clock.to_wall(self.handover_s)
+            out = await self._ask(addr, "gyreflow_training_done", wait + self.deadlines.role_s, timeout=wait)
             if out.get("running"):
                 raise MoveFailed(f"a trainer task still ran on the cell after {self.handover_s:.0f}s")
             return {}
@@ -193,13 +248,13 @@ class Mover:
         out = await self._undoable(addr, TRAINER, work)
         if "aborted" in out:
             return out
-        await self._set_role(addr, ROLLOUT)
+        await self.set_role(addr, ROLLOUT)
         return {"handover_s": self.clock.from_wall(time.time() - t0)}
 
     async def _restore(self, addr: str, role: str) -> None:
         """Put a cell whose move failed half-way back in ``role``."""
         try:
-            await self._set_role(addr, role)
+            await self.set_role(addr, role)
         except Exception:  # it died: the scheduler's remove_worker cleans up
             log.warning("gyreflow: cell %s could not serve as %s again after a failed move", addr, role, exc_info=True)
         if role == TRAINER:
@@ -217,7 +272,7 @@ class Mover:
         try:
             if self.roles().get(addr) == ROLLOUT:
                 entry |= await self.drain(addr)
-            await self.scheduler.rpc(addr).gyreflow_set_role(role=None)
+            await self.set_role(addr, None)
             self.routes.forget_engine(addr)
             self.spread()  # its queued trainer tasks go to the trainer cells now
             entry |= await self._results_taken(addr)
@@ -255,8 +310,12 @@ class Mover:
         (session re-balancing): only those with a generation in flight, which goes with them; the
         others stay (their cached prefix is on ``src``)."""
         try:
-            out = await self.scheduler.rpc(src).gyreflow_evict(sessions=sessions, destinations=[dst], count=count)
+            out = await self._ask(src, "gyreflow_evict", self.deadlines.migration_s, sessions=sessions,
+                                  destinations=[dst], count=count)
         except OSError:  # the engine left; its sessions are re-routed at their next call anyway
+            return
+        except MoveFailed as err:  # what it moved late tells the scheduler itself (gyreflow_imported)
+            log.warning("gyreflow: session re-balancing from %s: %s", src, err)
             return
         self.routes.moved(out.get("moved", {}))
         for session, dest in out.get("sessions", {}).items():

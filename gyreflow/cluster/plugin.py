@@ -18,8 +18,8 @@ Its public surface is the RPCs below (tests, benchmarks, pipelines and the CLI u
     Routing (:mod:`gyreflow.cluster.routes`).
 ``gyreflow_pools()``
     The :class:`~gyreflow.cluster.status.PoolsStatus` as a dict.
-``gyreflow_placement(mode, options)``
-    Switch the placement mode (e.g. at the start of a pipeline).
+``gyreflow_placement(mode, options, timing, routing, deadlines)``
+    Switch the placement mode (e.g. at the start of a pipeline) and the plugin's settings.
 ``gyreflow_move(cell, to, reason)``
     Apply one move now, as the control loop applies a policy's; returns its log entry.
 ``gyreflow_join(cell, role)`` / ``gyreflow_retire(cell)``
@@ -40,7 +40,7 @@ from gyreflow.cluster import dashboard
 from gyreflow.cluster.clock import WALL, Clock
 from gyreflow.cluster.control import Controller, Timing
 from gyreflow.cluster.modes import mode as placement_mode
-from gyreflow.cluster.moves import Mover
+from gyreflow.cluster.moves import Deadlines, MoveFailed, Mover
 from gyreflow.cluster.placement import Move
 from gyreflow.cluster.pools import ROLLOUT, TRAINER, cell_roles, is_trainer_task, results_still_needed, trainer_tasks
 from gyreflow.cluster.routes import RouteTable
@@ -67,15 +67,21 @@ class PoolsPlugin(SchedulerPlugin):
         The control loop's time constants.
     history_len
         Samples and moves kept for the dashboard.
+    routing
+        Session routing and re-balancing.
+    deadlines
+        Longest waits (wall seconds) for a cell to answer a step of a move.
     """
 
     name = PLUGIN_NAME
 
     def __init__(self, mode: str = "async", options: dict | None = None, clock: Clock = WALL,
-                 timing: Timing | None = None, history_len: int = 4000, routing: RoutingOptions | None = None) -> None:
+                 timing: Timing | None = None, history_len: int = 4000, routing: RoutingOptions | None = None,
+                 deadlines: Deadlines | None = None) -> None:
         self.mode, self.options = mode, dict(options or {})
         policy = placement_mode(mode).make_policy(**self.options)
         self.clock, self.timing, self.routing = clock, timing or Timing(), routing or RoutingOptions()
+        self.deadlines = deadlines or Deadlines()
         self.scheduler = None
         self.books = Books(history_len)
         self._policy = policy
@@ -87,7 +93,7 @@ class PoolsPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self.routes = RouteTable(engines=lambda: self.mover.engines(), poke=lambda: self.controller.poke())
         self.mover = Mover(scheduler, self.routes, self.books, lambda: cell_roles(scheduler), self.clock,
-                           self.timing.handover_s)
+                           self.timing.handover_s, self.deadlines)
         self.controller = Controller(scheduler, self._policy, self.routes, self.mover, self.books, self.clock, self.timing,
                                      self.routing)
         handlers = {
@@ -164,8 +170,9 @@ class PoolsPlugin(SchedulerPlugin):
         return out
 
     def placement(self, mode: str, options: dict | None = None, timing: dict | None = None,
-                  routing: dict | None = None) -> dict:
-        """Switch the placement mode (e.g. at the start of a pipeline), the loop's timing and routing."""
+                  routing: dict | None = None, deadlines: dict | None = None) -> dict:
+        """Switch the placement mode (e.g. at the start of a pipeline), the loop's timing, routing and
+        the deadlines of moves."""
         try:
             policy = placement_mode(mode).make_policy(**(options or {}))
             if placement_mode(mode).moves_cells and self.scheduler.extensions.get("stealing") is None:
@@ -174,6 +181,7 @@ class PoolsPlugin(SchedulerPlugin):
                                  "scheduler with distributed.scheduler.work-stealing: True")
             new_timing = Timing(**timing) if timing else self.timing
             new_routing = RoutingOptions(**routing) if routing else self.routing
+            new_deadlines = Deadlines(**deadlines) if deadlines else self.deadlines
         except (ValueError, TypeError) as err:
             return {"error": str(err)}
         self.mode, self.options = mode, dict(options or {})
@@ -181,6 +189,7 @@ class PoolsPlugin(SchedulerPlugin):
         self.controller.arrivals.window_s = new_timing.rate_window_s
         self.mover.handover_s = new_timing.handover_s
         self.routing = self.controller.routing = new_routing
+        self.deadlines = self.mover.deadlines = new_deadlines
         self.controller.policy = policy
         self.controller.poke()
         return {"mode": mode}
@@ -201,13 +210,15 @@ class PoolsPlugin(SchedulerPlugin):
         """A worker held out of both pools takes ``role`` (it joins the cells)."""
         if cell not in self.scheduler.workers:
             return {"error": f"no worker {cell}"}
-        out = await self.scheduler.rpc(cell).gyreflow_set_role(role=role)
-        if "error" not in out:
-            self.controller.home[cell] = role
-            self.mover.since[cell] = self.clock.now()
-            self.books.roles_changed(self.clock.now(), time.time(), cell_roles(self.scheduler))
-            await self.routes.engines_changed()
-            self.controller.poke()
+        try:
+            out = await self.mover.set_role(cell, role)
+        except MoveFailed as err:
+            return {"error": str(err)}
+        self.controller.home[cell] = role
+        self.mover.since[cell] = self.clock.now()
+        self.books.roles_changed(self.clock.now(), time.time(), cell_roles(self.scheduler))
+        await self.routes.engines_changed()
+        self.controller.poke()
         return out
 
     async def retire(self, cell: str) -> dict:

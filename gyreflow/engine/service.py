@@ -47,6 +47,8 @@ PLUGIN_NAME = "gyreflow-engine"
 IMPORT_TIMEOUT_S = 300.0
 """Longest wait for a destination to take a batch of migrated generations; past it they are
 withdrawn from it and resume here."""
+UNSEND_TIMEOUT_S = 30.0
+"""Longest wait for a destination to withdraw a batch whose import reply was lost."""
 
 EngineFactory = Callable[..., object]
 """``factory(hf_config, weights, version, name, **engine_options) -> engine``."""
@@ -367,7 +369,7 @@ class EngineService(WorkerPlugin):
         destination that cannot be reached cannot run them either)."""
         for rid in request_ids:
             try:
-                await asyncio.wait_for(self.worker.rpc(dest).gyreflow_abort(request_id=rid), 30)
+                await asyncio.wait_for(self.worker.rpc(dest).gyreflow_abort(request_id=rid), UNSEND_TIMEOUT_S)
             except Exception:
                 return
 
