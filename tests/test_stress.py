@@ -239,3 +239,34 @@ def test_stalled_executions_are_named_with_what_they_wait_on(client):
     finally:
         client.sync(client.scheduler.gyreflow_placement, mode="async",
                     timing={"tick_s": 0.5, "rebalance_s": 0.5, "stall_s": 600, "stall_check_s": 50})
+
+
+def test_an_execution_on_an_engine_that_does_not_answer_is_named(client):
+    """An execution whose engine's event loop is blocked is named as waiting on that engine, found
+    within the deadline for an answer, and finishes once the engine runs again."""
+    publish_all(client)
+    timing = {"tick_s": 0.5, "rebalance_s": 1e9, "stall_s": 0.5 * SCALE, "stall_check_s": 1e9}
+    out = client.sync(client.scheduler.gyreflow_placement, mode="async", timing=timing, deadlines={"answer_s": 1.0})
+    assert out == {"mode": "async"}
+
+    async def block(seconds: float) -> None:
+        time.sleep(seconds)  # on the worker's event loop: nothing else runs there meanwhile
+
+    try:
+        spec = WORKLOAD.execution(0, 0, 0)
+        spec = type(spec)(**{**spec.__dict__, "execution_id": "on-blocked", "calls": ((20000, 0.0),)})
+        fut = client.submit(emulated_execution, spec, SCALE, key="stall-on-blocked", resources={EXECUTION: 1},
+                            pure=False)
+        engine = wait_for(lambda: client.sync(client.scheduler.gyreflow_where, session="on-blocked")["engine"],
+                          what="the call routed")
+        client.run(block, 4.0, workers=[engine], wait=False)
+        time.sleep(1.0)  # past the stall limit (0.5 s) since the call was routed
+        stalls = {s["execution"]: s for s in client.sync(client.scheduler.gyreflow_stalls)}
+        assert stalls["on-blocked"]["waits_on"] == \
+            f"engine {engine}: it did not answer (its event loop is blocked, or it left)"
+        assert fut.result(timeout=60)["execution_id"] == "on-blocked"
+        assert not client.sync(client.scheduler.gyreflow_stalls)
+    finally:
+        client.sync(client.scheduler.gyreflow_placement, mode="async",
+                    timing={"tick_s": 0.5, "rebalance_s": 0.5, "stall_s": 600, "stall_check_s": 50},
+                    deadlines={"answer_s": 60.0})

@@ -220,13 +220,15 @@ class Controller:
 
         async def ask(addr: str):
             try:
-                return addr, await asyncio.wait_for(self.scheduler.rpc(addr).gyreflow_activity(), timeout=10)
-            except Exception:  # gone, or no engine there: it holds nothing
+                return addr, await asyncio.wait_for(self.scheduler.rpc(addr).gyreflow_activity(),
+                                                     timeout=self.mover.deadlines.answer_s)
+            except Exception:  # blocked, gone, or no engine there
                 return addr, None
 
-        activities = []
+        activities, unanswered = [], set()
         for addr, out in await asyncio.gather(*(ask(a) for a in cells)):
             if not out:
+                unanswered.add(addr)
                 continue
             advanced = out["tokens"] != self._tokens.get(addr)
             self._tokens[addr] = out["tokens"]
@@ -234,7 +236,8 @@ class Controller:
         now = time.time()
         live = {s: now - t for s, t in self.routes.routed_at.items()}
         stall_wall = self.clock.to_wall(self.timing.stall_s)
-        found = find_stalls(live, activities, stall_wall, self.routes.waiting > 0)
+        silent = {s: e for s, e in self.routes.sessions.items() if e in unanswered}
+        found = find_stalls(live, activities, stall_wall, self.routes.waiting > 0, silent)
         for s in found:
             s["seconds"] = self.clock.from_wall(s["seconds"])
             if s["execution"] not in self._reported:

@@ -48,15 +48,15 @@ class Deadlines:
     """Longest waits, in wall seconds whatever the plugin's clock, for a cell to answer a step of a
     move: a cell whose event loop hangs must not hold its move open, nor the cell out of new moves."""
 
-    role_s: float = 60.0
-    """A role change (milliseconds on a cell that answers); added to ``handover_s`` for the wait
-    on a trainer task."""
+    answer_s: float = 60.0
+    """A request a cell that answers serves in milliseconds: a role change, an activity report for
+    the stall detector; added to ``handover_s`` for the wait on a trainer task."""
     migration_s: float = 2 * (IMPORT_TIMEOUT_S + UNSEND_TIMEOUT_S) + 60.0
     """A drain or an eviction: the cell's own sends give up after ``IMPORT_TIMEOUT_S`` (and their
     withdrawals after ``UNSEND_TIMEOUT_S``), and one may wait for another migration of the cell."""
 
     def __post_init__(self) -> None:
-        for name in ("role_s", "migration_s"):
+        for name in ("answer_s", "migration_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -191,11 +191,11 @@ class Mover:
         Raises
         ------
         MoveFailed
-            The cell refused or did not answer within ``deadlines.role_s``.
+            The cell refused or did not answer within ``deadlines.answer_s``.
         """
         # Sequence numbers keep a late answer from undoing a later change (a restore after a timeout).
         self._role_seq = max(self._role_seq + 1, time.time_ns())
-        out = await self._ask(addr, "gyreflow_set_role", self.deadlines.role_s, role=role, seq=self._role_seq)
+        out = await self._ask(addr, "gyreflow_set_role", self.deadlines.answer_s, role=role, seq=self._role_seq)
         if "error" in out:
             raise MoveFailed(out["error"])
         return out
@@ -240,7 +240,7 @@ class Mover:
             await self.set_role(addr, None)
             self.spread()
             wait = self.clock.to_wall(self.handover_s)
-            out = await self._ask(addr, "gyreflow_training_done", wait + self.deadlines.role_s, timeout=wait)
+            out = await self._ask(addr, "gyreflow_training_done", wait + self.deadlines.answer_s, timeout=wait)
             if out.get("running"):
                 raise MoveFailed(f"a trainer task still ran on the cell after {self.handover_s:.0f}s")
             return {}
@@ -268,6 +268,7 @@ class Mover:
         while addr in self.moving and time.monotonic() < limit:  # a move of the cell under way ends first
             await asyncio.sleep(0.02)
         self.moving[addr] = "gone"
+        was = self.roles().get(addr)
         entry = {"cell": addr, "to": "gone", "reason": "the cell leaves the cluster", "decided": decided}
         try:
             if self.roles().get(addr) == ROLLOUT:
@@ -280,8 +281,9 @@ class Mover:
                                                 stimulus_id=f"gyreflow-retire-{time.time()}")
         except Exception as err:
             entry["error"] = f"{type(err).__name__}: {err}"
-            if self.roles().get(addr) is None and addr in self.scheduler.workers:
-                await self._restore(addr, ROLLOUT)
+            if was is not None and addr in self.scheduler.workers:
+                # It stays: back in the pool it left (a drained engine takes calls again).
+                await self._restore(addr, was)
         finally:
             self.moving.pop(addr, None)
         entry["applied"] = self.clock.now()

@@ -27,7 +27,7 @@ class EngineActivity:
 
 
 def find_stalls(live: dict[str, float], activities: list[EngineActivity], stall_wall_s: float,
-                route_waiting: bool) -> list[dict]:
+                route_waiting: bool, silent: dict[str, str] | None = None) -> list[dict]:
     """Executions without progress for ``stall_wall_s`` wall seconds.
 
     Parameters
@@ -40,6 +40,8 @@ def find_stalls(live: dict[str, float], activities: list[EngineActivity], stall_
         The limit, in wall seconds.
     route_waiting
         Whether calls wait for an engine because no cell takes calls.
+    silent
+        Live sessions -> the engine they are routed to, for engines that did not report.
 
     Returns
     -------
@@ -65,6 +67,8 @@ def find_stalls(live: dict[str, float], activities: list[EngineActivity], stall_
         if session in where:
             engine, rid, info = where[session]
             waits_on = f"engine {engine}: request {rid} {info.get('state')} for {info.get('age', 0.0):.0f}s"
+        elif session in (silent or {}):
+            waits_on = f"engine {silent[session]}: it did not answer (its event loop is blocked, or it left)"
         elif route_waiting:
             waits_on = "an engine: no cell takes calls"
         else:
