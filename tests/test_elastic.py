@@ -666,7 +666,7 @@ def deadlines(client: Client, **limits) -> None:
                                                      ("retire", "before_export", "gyreflow_drain", "migration_s")])
 def test_a_cell_that_does_not_answer_fails_its_move_and_its_late_answer_changes_nothing(client, published, ask, point,
                                                                                         call, limit):
-    """A cell holds a step of a move or a retirement (its drain, or its role change) 3 s while the
+    """A cell holds a step of a move or a retirement (its drain, or its role change) 2 s while the
     plugin waits 1 s at most: the move ends, failed and naming the cell and the call, and the cell
     serves rollout again at once; when the held step runs at last it changes nothing (a role change
     older than the restore is refused; a drain finds nothing to move and the engine takes calls)."""
@@ -674,7 +674,7 @@ def test_a_cell_that_does_not_answer_fails_its_move_and_its_late_answer_changes_
     c0 = names["cell-0"]
     deadlines(client, **{limit: 1.0})
     try:
-        armed = client.sync(client.scheduler.gyreflow_fault, cell=c0, point=point, times=1, delay_s=3.0)
+        armed = client.sync(client.scheduler.gyreflow_fault, cell=c0, point=point, times=1, delay_s=2.0)
         assert armed["armed"] == point
         held_from = time.monotonic()
         if ask == "move":
@@ -684,7 +684,7 @@ def test_a_cell_that_does_not_answer_fails_its_move_and_its_late_answer_changes_
         assert f"{c0} did not answer {call} within 1s" in entry.get("aborted", entry.get("error", "")), entry
         state = pools(client)
         assert state["moving"] == [] and state["roles"][c0] == ROLLOUT
-        time.sleep(max(0.0, 3.0 - (time.monotonic() - held_from)) + 3.0)  # the held step has run by now
+        time.sleep(max(0.0, 2.0 - (time.monotonic() - held_from)) + 2.0)  # the held step has run by now
         assert pools(client)["roles"][c0] == ROLLOUT and engine_stats(client, c0)["accepting"]
         res, _, _ = client.submit(one_call, request(f"after-late-{ask}-{point}", 8, 5, max_tokens=4), resources=SLOT,
                                   pure=False).result(timeout=60)
