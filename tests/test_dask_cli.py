@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def dask_cluster(tmp_path):
     sched_file = tmp_path / "scheduler.json"
     procs = [subprocess.Popen([*DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                "--scheduler-file", str(sched_file)], env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
+                              stderr=subprocess.DEVNULL, start_new_session=True)]
     try:
         wait_for(lambda: sched_file.is_file() and sched_file.stat().st_size > 0, timeout=60, what="the scheduler file")
         address = json.loads(sched_file.read_text())["address"]
@@ -51,20 +52,21 @@ def dask_cluster(tmp_path):
             procs.append(subprocess.Popen([*DASK, "worker", address, "--name", name, "--resources", resources,
                                            "--nthreads", str(threads), "--nworkers", "1", "--host", "127.0.0.1",
                                            "--no-dashboard"], env=_env(), stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+                                          stderr=subprocess.DEVNULL, start_new_session=True))
         from distributed import Client
 
         with Client(address, timeout=30) as client:
             client.wait_for_workers(len(workers), timeout=120)
         yield address
     finally:
-        for p in reversed(procs):
-            p.terminate()
+        # The test is over: no graceful close (about 8 s), each process group (nanny and its worker) goes at once.
         for p in procs:
             try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(timeout=30)
 
 
 def test_elastic_moves_cells_on_a_dask_command_line_cluster(dask_cluster, tmp_path, tiny_overrides):

@@ -70,7 +70,7 @@ def test_a_killed_driver_resumes_without_a_step_missing_or_doubled(tmp_path, tin
     the last checkpoint are trained again from the archive, not run again."""
     every = 2
     out = tmp_path / "run"
-    steps = 10
+    steps = 7
     sets = [a for o in tiny_overrides + [f"rl.steps={steps}", "rl.eval_every=4", f"rl.checkpoint_every={every}"]
             for a in ("--set", o)]
     proc = subprocess.Popen([*GYREFLOW, "run", "--out", str(out), "--sft-cache", "", *sets],
