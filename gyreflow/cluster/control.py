@@ -95,6 +95,7 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         self._last_rebalance = float("-inf")
         self._last_stall_check = float("-inf")
+        self._stall_check: asyncio.Task | None = None
         self._tokens: dict[str, int] = {}
         self.arrivals = ArrivalRate(timing.rate_window_s)
         self._closing = False
@@ -188,9 +189,11 @@ class Controller:
         if not self.mover.moving and snap.time - self._last_rebalance >= self.timing.rebalance_s:
             self._last_rebalance = snap.time
             self._rebalance_sessions()
-        if snap.time - self._last_stall_check >= self.timing.stall_check_s:
+        looking = self._stall_check is not None and not self._stall_check.done()
+        if snap.time - self._last_stall_check >= self.timing.stall_check_s and not looking:
+            # One look at a time: a blocked cell holds one up to answer_s.
             self._last_stall_check = snap.time
-            self._spawn(self.check_stalls())
+            self._stall_check = self._spawn(self.check_stalls())
         return moves
 
     async def _apply(self, move: Move, decided: float) -> None:
