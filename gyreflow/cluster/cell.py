@@ -76,7 +76,8 @@ class CellService(WorkerPlugin):
         async with self._changing:  # one change at a time, so that the newest is the one that holds
             if seq is not None:
                 if seq <= self._seq:
-                    return {"error": f"role change to {role!r} is older than one applied already (number {seq} <= {self._seq})"}
+                    return {"error": f"role change to {role!r} is older than one applied already "
+                                     f"(number {seq} <= {self._seq})"}
                 self._seq = seq
             return await self._change(role, t0)
 
