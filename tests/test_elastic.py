@@ -591,6 +591,7 @@ def test_a_cell_handing_over_counts_in_the_pool_it_moves_to(client, published):
 
 
 def handover_watched(client: Client, published) -> None:
+    """The test above, while the ``watching`` mode is registered."""
     names = layout(client, published, rollout=("cell-0",), trainer=("cell-1", "cell-2"))
     c0, c1, c2 = names["cell-0"], names["cell-1"], names["cell-2"]
     gate = f"handover-gate-{time.time()}"
