@@ -271,7 +271,7 @@ class Mover:
         was = self.roles().get(addr)
         entry = {"cell": addr, "to": "gone", "reason": "the cell leaves the cluster", "decided": decided}
         try:
-            if self.roles().get(addr) == ROLLOUT:
+            if was == ROLLOUT:
                 entry |= await self.drain(addr)
             await self.set_role(addr, None)
             self.routes.forget_engine(addr)
