@@ -23,7 +23,8 @@ from gyreflow.bench import (
     load_workload,
     lower_bound,
 )
-from gyreflow.engine.base import GenerationRequest, RequestExported, SamplingParams
+from gyreflow.bench.stages import messaging_s
+from gyreflow.engine.base import GenerationRequest, GenerationResult, RequestExported, SamplingParams
 from gyreflow.engine.runner import EngineRunner
 
 # ------------------------------------------------------------------------------------ workloads
@@ -321,6 +322,8 @@ def test_single_request_costs_prefill_plus_alone_decode():
     assert res.completion_ids.tolist() == [1000] and res.finish_reason == "length"
     assert res.prompt_ids.tolist() == [300] and res.engine == "emulated" and res.prefix_reused == 0
     assert res.logprobs.shape == (1,) and res.versions.tolist() == [0]
+    # taken in at the fake clock's start; finished at the modelled end, not when the engine looked
+    assert res.received_at == 100.0 and res.finished_at == pytest.approx(100.0 + expected / SCALE)
     st = e.stats()
     assert st["busy_s"] == pytest.approx(expected)
     assert st["clock_s"] == pytest.approx(expected + 5.0)
@@ -400,6 +403,7 @@ def test_export_midway_and_import_elsewhere():
     _at(e2, clock2, end + 0.01)
     res = fut2.result(timeout=1)
     assert res.completion_ids.tolist() == [1000] and res.engine == "cell-2"
+    assert res.received_at is None and res.finished_at == pytest.approx(100.0 + end / SCALE)
     st = e2.stats()
     assert st["prefill_tokens"] == 0 and st["imported"] == 1 and st["tokens_generated"] == 1000 - done
     assert st["busy_s"] == pytest.approx((1000 - done) * (A + B))
@@ -486,3 +490,18 @@ def test_engine_factory_for_the_service():
     assert (e.name, e.version, e.time_scale, e.max_batch) == ("tcp://cell:1", 4, 100.0, 32)
     e2 = emulated_engine_factory(None, None, 0, "x", workload=COST, time_scale=50.0)
     assert e2.cost == COST and e2.time_scale == 50.0 and e2.request_ids() == []
+
+
+def test_messaging_time_of_a_call_by_hand():
+    def result(received_at, finished_at):
+        return GenerationResult("r", np.array([5], np.int32), np.array([3], np.int32), np.zeros(1, np.float32),
+                                np.zeros(1, np.int32), "length", received_at=received_at, finished_at=finished_at)
+
+    # sent at 10.0, taken in at 10.25, finished at 12.0, back at 12.5: 0.25 there, 0.5 back
+    assert messaging_s(10.0, result(10.25, 12.0), 12.5, rerouted=False) == pytest.approx(0.75)
+    # a re-routed call's way there is unknown (it includes the engines that sent it back), as is a migrated one's
+    assert messaging_s(10.0, result(10.25, 12.0), 12.5, rerouted=True) == pytest.approx(0.5)
+    assert messaging_s(10.0, result(None, 12.0), 12.5, rerouted=False) == pytest.approx(0.5)
+    # an engine that does not stamp its results; clocks a hair apart never give negative time
+    assert messaging_s(10.0, result(None, None), 12.5, rerouted=False) == 0.0
+    assert messaging_s(10.0, result(9.999, 12.501), 12.5, rerouted=False) == 0.0

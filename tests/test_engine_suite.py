@@ -25,6 +25,7 @@ from gyreflow.engine.base import (
     SamplingParams,
 )
 from gyreflow.engine.runner import EngineRunner
+from gyreflow.engine.wire import msg_to_result, result_to_msg
 from gyreflow.engine.torch_engine import TorchEngine
 from gyreflow.faults import FAULTS
 from gyreflow.model import ModelConfig, build_policy, state_dict_numpy
@@ -228,6 +229,25 @@ class EngineTests:
         # The requests left behind were not disturbed by the hole the export made.
         for a, b in zip(others_alone, run_all(src, other_futures)):
             assert_same(a, b)
+
+    def test_results_say_when_they_were_taken_in_and_finished(self, model):
+        src = self.make_engine(model, name="src")
+        before = time.time()
+        staying = src.submit(req("stays", 5, 1, max_tokens=8))
+        src.submit(req("moves", 5, 2, max_tokens=30))
+        for _ in range(3):
+            src.step()
+        exported_at = time.time()
+        state = src.export_request("moves")
+        [stayed] = run_all(src, [staying])
+        assert before <= stayed.received_at <= stayed.finished_at <= time.time()
+        # the stamps travel with the result between workers
+        again = msg_to_result(result_to_msg(stayed))
+        assert (again.received_at, again.finished_at) == (stayed.received_at, stayed.finished_at)
+        dst = self.make_engine(model, name="dst")
+        [moved] = run_all(dst, [dst.import_request(state)])
+        assert moved.received_at is None  # taken in elsewhere
+        assert exported_at <= moved.finished_at <= time.time()
 
     def test_export_waiting_request(self, model):
         target = req("late", 6, 8, temperature=1.0, max_tokens=10)

@@ -270,3 +270,29 @@ def test_an_execution_on_an_engine_that_does_not_answer_is_named(client):
         client.sync(client.scheduler.gyreflow_placement, mode="async",
                     timing={"tick_s": 0.5, "rebalance_s": 0.5, "stall_s": 600, "stall_check_s": 50},
                     deadlines={"answer_s": 60.0})
+
+
+@pytest.mark.parametrize("tool_emulated_s", [10.0, 150.0])
+def test_an_execution_gives_the_time_its_calls_spent_in_messages_back_out_of_its_tool_waits(client, tool_emulated_s):
+    """A call whose result cannot leave its engine (the engine's event loop blocked 1.5 s) spends
+    that time in messages; the tool wait after it is shortened by as much of it as the wait lasts."""
+    publish_all(client)
+
+    async def block(seconds: float) -> None:
+        time.sleep(seconds)
+
+    spec = WORKLOAD.execution(0, 0, 0)
+    spec = type(spec)(**{**spec.__dict__, "execution_id": f"held-reply-{tool_emulated_s:g}",
+                         "calls": ((5000, tool_emulated_s), (10, 0.0))})
+    fut = client.submit(emulated_execution, spec, SCALE, key=f"messaging-{spec.execution_id}",
+                        resources={EXECUTION: 1}, pure=False)
+    engine = wait_for(lambda: client.sync(client.scheduler.gyreflow_where, session=spec.execution_id)["engine"],
+                      what="the call routed")
+    client.run(block, 1.5, workers=[engine], wait=False)  # the call's modelled end (~0.9 s) falls inside
+    out = fut.result(timeout=60)
+    tool_wall = tool_emulated_s / SCALE
+    assert out["messaging_s"] >= 0.5, out
+    if tool_wall < 0.5:  # the whole wait given back (0.2 s)
+        assert out["repaid_s"] == pytest.approx(tool_wall, rel=1e-9), out
+    else:  # the held reply given back (3 s of wait); not the last call's messages, no wait follows them
+        assert 0.5 <= out["repaid_s"] < out["messaging_s"], out

@@ -21,7 +21,9 @@ A request stands for one model call of an emulated execution:
 The result has ``completion_ids = np.array([n_generated], int32)`` (all tokens of the call,
 including those made before a migration), ``logprobs = np.zeros(1, float32)``,
 ``versions = np.array([weights version at its last token], int32)``, ``prompt_ids`` echoed,
-``engine`` = the engine's name and ``prefix_reused`` = the cached part of the prompt.
+``engine`` = the engine's name, ``prefix_reused`` = the cached part of the prompt, and
+``received_at`` / ``finished_at`` = the real times it was submitted here (None if imported) and its
+modelled completion happened (the result is handed out at the next ``step``, a little later).
 
 An exported request (:class:`~gyreflow.engine.base.LiveRequestState`) has
 ``completion_ids = np.array([tokens_done])``, 1-element ``logprobs``/``versions``, an empty
@@ -31,7 +33,7 @@ workers costs a real transfer of that size.
 
 Timing (emulated seconds; ``time_scale`` of them pass per wall-clock second)
 ----------------------------------------------------------------------------
-A fluid model of the cost model, advanced by the real elapsed time (``time.monotonic``; sleeps that
+A fluid model of the cost model, advanced by the real elapsed time (``time.time``; sleeps that
 overshoot are credited, so the emulation does not drift slow):
 
 - at most ``max_batch`` requests are live; more wait in FIFO order (imported ones go first);
@@ -103,6 +105,8 @@ class _Req:
     """Emulated time its hand-off ends (imported requests)."""
     priority: float = 0.0
     """Admission order (see :attr:`GenerationRequest.priority`)."""
+    received_at: float | None = None
+    """Real time it was submitted here (None if imported)."""
 
     @property
     def seq_tokens(self) -> int:
@@ -129,8 +133,8 @@ class EmulatedEngine(WorkSignal):
         sleep at once, and the sleep never passes the next completion, so this only bounds how
         long a step may take.
     clock
-        Source of real time in seconds (``time.monotonic`` by default); tests pass a fake one to
-        step the emulation deterministically.
+        Source of real time in seconds (``time.time`` by default, so that the times results carry
+        compare across processes); tests pass a fake one to step the emulation deterministically.
     """
 
     def __init__(
@@ -158,7 +162,7 @@ class EmulatedEngine(WorkSignal):
         self.version = int(version)
         self.max_batch = int(cost.max_batch)
         self.quantum_s = float(quantum_s)
-        self._real_clock = clock or time.monotonic
+        self._real_clock = clock or time.time
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -205,6 +209,7 @@ class EmulatedEngine(WorkSignal):
         )  # fmt: skip
         with self._work:
             self._sync()  # time so far belongs to the requests already here
+            req.received_at = self._last_real
             self._register(req)
             self._waiting.append(req)
             self._counters["submitted"] += 1
@@ -357,10 +362,11 @@ class EmulatedEngine(WorkSignal):
             self._counters["steps"] += 1
             produced = int(self._counters["tokens_generated"] + _TOKEN_EPS) - int(before + _TOKEN_EPS)
             done, self._done = self._done, []
-            for _, _, finished_at in done:
+            for _, result, finished_at in done:
                 lag = self._clock - finished_at
                 self._counters["resolve_lag_s"] += lag
                 self._counters["max_resolve_lag_s"] = max(self._counters["max_resolve_lag_s"], lag)
+                result.finished_at = self._last_real - lag / self.time_scale  # real time of the modelled end
         for fut, result, _ in done:  # outside the lock: callbacks may submit or export
             fut.set_result(result)
         return produced
@@ -488,6 +494,7 @@ class EmulatedEngine(WorkSignal):
             finish_reason="length",
             engine=self.name,
             prefix_reused=r.prefix_reused,
+            received_at=r.received_at,
         )
         self._done.append((r.future, result, self._clock))
 

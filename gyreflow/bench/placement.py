@@ -301,6 +301,9 @@ class _Run:
                            for m in status["move_log"]],
             "stalls": status["stalls"],
             "lost_calls": int(sum(r.get("lost", 0) for r in results)),
+            # calls' wall time in Dask's messages, x scale; what the executions' tool waits did not give back
+            "messaging_emulated_s": scale * sum(r.get("messaging_s", 0.0) for r in results),
+            "messaging_kept_emulated_s": scale * sum(r.get("messaging_s", 0.0) - r.get("repaid_s", 0.0) for r in results),
             "prefill_tokens": int(sum(s.get("prefill_tokens", 0) for s in engines.values())),
             "engine_resolve_lag_emulated_s": statistics.mean([s.get("mean_resolve_lag_s", 0.0) for s in engines.values()] or [0.0]),
             "longest": self._longest(results),

@@ -16,7 +16,7 @@ from distributed import get_worker
 
 from gyreflow.bench.workload import ExecutionSpec, Workload
 from gyreflow.cluster.router import Router
-from gyreflow.engine.base import GenerationRequest, SamplingParams
+from gyreflow.engine.base import GenerationRequest, GenerationResult, SamplingParams
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.train.state import PolicyState, PublishedWeights
 
@@ -27,12 +27,27 @@ PROBE_EMULATED_S = 400.0
 a call on a cell that left would wait that long)."""
 
 
+def messaging_s(sent: float, result: GenerationResult, received: float, rerouted: bool) -> float:
+    """Wall seconds a call spent in messages rather than in its engine: from ``sent`` to the engine
+    taking it in (unknown, so 0, for a call that was re-routed or migrated) and from its modelled
+    end to ``received``."""
+    there = result.received_at - sent if result.received_at is not None and not rerouted else 0.0
+    back = received - result.finished_at if result.finished_at is not None else 0.0
+    return max(0.0, there) + max(0.0, back)
+
+
 async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
-    """One execution: its calls in order through the router, with the tool latency between them."""
+    """One execution: its calls in order through the router, with the tool latency between them.
+
+    The wall time its calls spend in Dask's messages is taken out of the tool waits that follow
+    (as far as they last): on the emulated clock it would count ``time_scale`` times, where a
+    real deployment's milliseconds are nothing against a call's seconds.
+    """
     # On the workload's clock, but never more often than twice a wall second per call.
     router = Router(session=spec.execution_id, probe_s=max(0.5, PROBE_EMULATED_S / time_scale))
     t0 = time.time()
     versions, engines = [], set()
+    owed = repaid = 0.0  # wall seconds of messaging, and how much of it the tool waits gave back
     try:
         for i, (tokens, tool_s) in enumerate(spec.calls):
             req = GenerationRequest(
@@ -41,19 +56,24 @@ async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
                 params=SamplingParams(max_tokens=int(tokens)),
                 session=spec.execution_id,
             )
+            reroutes, sent = router.reroutes, time.time()
             res = await router.agenerate(req)
+            owed += messaging_s(sent, res, time.time(), router.reroutes != reroutes)
             if int(res.completion_ids[0]) != int(tokens):
                 raise RuntimeError(f"{req.request_id}: {int(res.completion_ids[0])} tokens generated, {tokens} asked")
             versions.append(int(res.versions[-1]))
             engines.add(res.engine)
             if tool_s > 0:
-                await asyncio.sleep(tool_s / time_scale)
+                wait = tool_s / time_scale
+                give_back = min(wait, owed - repaid)
+                repaid += give_back
+                await asyncio.sleep(wait - give_back)
     finally:
         await router.aclose()
     return {"execution_id": spec.execution_id, "step": spec.step, "tokens": spec.tokens, "calls": spec.num_calls,
             "min_version": min(versions) if versions else -1, "engines": sorted(engines),
             "reroutes": router.reroutes, "migrations": router.migrations, "lost": router.lost,
-            "start": t0, "end": time.time()}
+            "messaging_s": owed, "repaid_s": repaid, "start": t0, "end": time.time()}
 
 
 def emulated_tree(result: dict) -> dict:

@@ -89,6 +89,11 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length"
     engine: str = ""
     prefix_reused: int = 0
+    received_at: float | None = None
+    """Wall time (``time.time()``) the engine that finished it took it in; None if it came by import."""
+    finished_at: float | None = None
+    """Wall time its last token was made (an emulated engine: the modelled time, which it may hand
+    out a little later)."""
 
 
 class RequestExported(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class _Request:
     template: Template | None = None
     """The completion's constraint, and where it stands (``template_state``)."""
     template_state: object = None
+    received_at: float | None = None
+    """Wall time :meth:`TorchEngine.submit` took it in (None if imported)."""
 
     @property
     def n_prompt(self) -> int:
@@ -234,7 +237,7 @@ class TorchEngine(WorkSignal):
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         req = _Request(request.request_id, prompt, params, request.session, Future(), gen, seq=prompt.tolist(),
-                       priority=float(request.priority), on_token=request.on_token)
+                       priority=float(request.priority), on_token=request.on_token, received_at=time.time())
         if params.constraint is not None:
             req.template = Template.from_spec(params.constraint)
             req.template_state = req.template.start()
@@ -703,6 +706,8 @@ class TorchEngine(WorkSignal):
                 finish_reason=reason,
                 engine=self.name,
                 prefix_reused=r.prefix_reused,
+                received_at=r.received_at,
+                finished_at=time.time(),
             )
             with self._lock:
                 self._ids.pop(r.request_id, None)

@@ -58,6 +58,8 @@ def result_to_msg(res: GenerationResult) -> dict:
         "finish_reason": res.finish_reason,
         "engine": res.engine,
         "prefix_reused": int(res.prefix_reused),
+        "received_at": res.received_at,
+        "finished_at": res.finished_at,
     }
 
 
@@ -71,6 +73,8 @@ def msg_to_result(msg: dict) -> GenerationResult:
         finish_reason=msg["finish_reason"],
         engine=msg["engine"],
         prefix_reused=msg.get("prefix_reused", 0),
+        received_at=msg.get("received_at"),
+        finished_at=msg.get("finished_at"),
     )
 
 
