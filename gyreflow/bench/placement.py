@@ -301,9 +301,10 @@ class _Run:
                            for m in status["move_log"]],
             "stalls": status["stalls"],
             "lost_calls": int(sum(r.get("lost", 0) for r in results)),
-            # calls' wall time in Dask's messages, x scale; what the executions' tool waits did not give back
-            "messaging_emulated_s": scale * sum(r.get("messaging_s", 0.0) for r in results),
-            "messaging_kept_emulated_s": scale * sum(r.get("messaging_s", 0.0) - r.get("repaid_s", 0.0) for r in results),
+            # an execution's calls' wall time in Dask's messages, x scale; what its tool waits did not give back
+            "messaging_per_execution_s": scale * statistics.mean(r.get("messaging_s", 0.0) for r in results),
+            "messaging_kept_per_execution_s": scale * statistics.mean(r.get("messaging_s", 0.0) - r.get("repaid_s", 0.0)
+                                                                      for r in results),
             "prefill_tokens": int(sum(s.get("prefill_tokens", 0) for s in engines.values())),
             "engine_resolve_lag_emulated_s": statistics.mean([s.get("mean_resolve_lag_s", 0.0) for s in engines.values()] or [0.0]),
             "longest": self._longest(results),
@@ -452,7 +453,9 @@ def summarise(workload: Workload, runs: list[dict], repeats: int, candidates, ca
         xs = list(reps.values())
         out["modes"][arm] = {"split": xs[0]["split"], "mode": xs[0]["mode"],
                              **{k: spread([x[k] for x in xs]) for k in ("emulated_s", "wall_s", "utilization", "moves",
-                                                                         "migrations", "cpu_load")},
+                                                                         "migrations", "cpu_load",
+                                                                         "messaging_per_execution_s",
+                                                                         "messaging_kept_per_execution_s")},
                              "max_staleness": max(x["max_staleness"] for x in xs),
                              "longest_stretch": spread([statistics.mean(y["stretch"] for y in x["longest"]) for x in xs
                                                          if x.get("longest")] or [float("nan")]),
