@@ -29,7 +29,7 @@ a call on a cell that left would wait that long)."""
 
 def messaging_s(sent: float, result: GenerationResult, received: float, rerouted: bool) -> float:
     """Wall seconds a call spent in messages rather than in its engine: from ``sent`` to the engine
-    taking it in (unknown, so 0, for a call that was re-routed or migrated) and from its modelled
+    taking it in (unknown, so 0, for a call sent again elsewhere or migrated) and from its modelled
     end to ``received``."""
     there = result.received_at - sent if result.received_at is not None and not rerouted else 0.0
     back = received - result.finished_at if result.finished_at is not None else 0.0
@@ -56,9 +56,9 @@ async def emulated_execution(spec: ExecutionSpec, time_scale: float) -> dict:
                 params=SamplingParams(max_tokens=int(tokens)),
                 session=spec.execution_id,
             )
-            reroutes, sent = router.reroutes, time.time()
+            tries, sent = router.reroutes + router.lost, time.time()
             res = await router.agenerate(req)
-            owed += messaging_s(sent, res, time.time(), router.reroutes != reroutes)
+            owed += messaging_s(sent, res, time.time(), rerouted=router.reroutes + router.lost != tries)
             if int(res.completion_ids[0]) != int(tokens):
                 raise RuntimeError(f"{req.request_id}: {int(res.completion_ids[0])} tokens generated, {tokens} asked")
             versions.append(int(res.versions[-1]))
