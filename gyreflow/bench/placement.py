@@ -302,9 +302,8 @@ class _Run:
             "stalls": status["stalls"],
             "lost_calls": int(sum(r.get("lost", 0) for r in results)),
             # an execution's calls' wall time in Dask's messages, x scale; what its tool waits did not give back
-            "messaging_per_execution_s": scale * statistics.mean(r.get("messaging_s", 0.0) for r in results),
-            "messaging_kept_per_execution_s": scale * statistics.mean(r.get("messaging_s", 0.0) - r.get("repaid_s", 0.0)
-                                                                      for r in results),
+            "messaging_per_execution_s": scale * statistics.mean(r["messaging_s"] for r in results),
+            "messaging_kept_per_execution_s": scale * statistics.mean(r["messaging_s"] - r["repaid_s"] for r in results),
             "prefill_tokens": int(sum(s.get("prefill_tokens", 0) for s in engines.values())),
             "engine_resolve_lag_emulated_s": statistics.mean([s.get("mean_resolve_lag_s", 0.0) for s in engines.values()] or [0.0]),
             "longest": self._longest(results),
