@@ -16,8 +16,8 @@ from typing import Any, get_type_hints
 from gyreflow.agents.demos import DemoNoise
 from gyreflow.agents.external import ExternalAgent
 from gyreflow.agents.loop import AgentConfig
-from gyreflow.model.policy import ModelConfig
-from gyreflow.train.trainer import OptimConfig
+from gyreflow.model.config import ModelConfig
+from gyreflow.train.config import OptimConfig
 
 
 class ConfigError(ValueError):

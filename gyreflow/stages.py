@@ -32,12 +32,10 @@ from gyreflow.algo import ADVANTAGES, AGGREGATIONS, GroupTree
 from gyreflow.cluster.router import Router
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.proxy.plugin import PLUGIN_NAME as PROXY_PLUGIN
-from gyreflow.model.policy import build_policy, load_policy, save_policy, state_dict_numpy
 from gyreflow.train.packing import PathSample, probe_of
 from gyreflow.train.service import PLUGIN_NAME as TRAINER_PLUGIN
 from gyreflow.train.reduce import GradientShare, msg_to_share
 from gyreflow.train.state import GroupSamples, PolicyState, PublishedWeights
-from gyreflow.train.trainer import Trainer
 from gyreflow.storage import ArchiveReader
 from gyreflow.storage.reader import load_from_segment
 from gyreflow.storage.writer import tokens_digest, write_executions
@@ -47,8 +45,13 @@ from gyreflow.trajectory.tree import TrajectoryTree, build_tree
 
 logger = logging.getLogger("gyreflow")
 
+# The model code (transformers: seconds of CPU to import) is imported inside the stages that build
+# a model, so that the driver, which only names these stages, never loads it.
+
 
 def _published(model, version: int, optim, run: str) -> PublishedWeights:
+    from gyreflow.model.policy import state_dict_numpy
+
     return PublishedWeights(version, run, model.config.to_dict(), state_dict_numpy(model), optim)
 
 
@@ -64,6 +67,9 @@ def sft_warm_start(cfg, checkpoint_dir: str, cache_dir: str | None = None, run: 
     """Train the SFT policy on synthetic demonstrations (or reuse a cached one), save it as a
     checkpoint, and return it as the RL state of version 0 (fresh optimizer). Runs on a trainer
     cell."""
+    from gyreflow.model.policy import build_policy, load_policy, save_policy
+    from gyreflow.train.trainer import Trainer
+
     service = get_worker().plugins[TRAINER_PLUGIN]
     t0 = time.time()
     cached = Path(cache_dir, sft_fingerprint(cfg)) if cache_dir else None
@@ -355,7 +361,7 @@ def save_checkpoint(published: PublishedWeights, path: str) -> str:
     """Write a published weights version as a Hugging Face checkpoint directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gyreflow.model.policy import load_state_dict_numpy
+    from gyreflow.model.policy import load_state_dict_numpy, save_policy
 
     model = LlamaForCausalLM(LlamaConfig(**published.hf_config))
     load_state_dict_numpy(model, published.weights)

@@ -6,7 +6,7 @@ import zarr
 from distributed import Client
 
 from gyreflow.cli import find_pipeline
-from gyreflow.cluster.local import PoolSpec, check_pools, local_cluster
+from gyreflow.cluster.local import PoolSpec, check_pools, local_cluster, warm_up
 from gyreflow.config import load_config
 from gyreflow.storage import ArchiveReader
 
@@ -15,6 +15,19 @@ from gyreflow.storage import ArchiveReader
 def cluster():
     with local_cluster(PoolSpec(rollout=1, trainer=1, execution_slots=8)) as c:
         yield c
+
+
+def test_workers_import_the_stage_libraries_before_the_first_task(cluster):
+    """Run first on the module's fresh cluster: nothing has imported the model code there yet."""
+    def loaded() -> tuple[bool, bool]:
+        import sys
+
+        return "torch" in sys.modules, "transformers.models.llama.modeling_llama" in sys.modules
+
+    with Client(cluster) as client:
+        assert set(client.run(loaded).values()) == {(False, False)}
+        warm_up(client)
+        assert set(client.run(loaded).values()) == {(True, True)} and len(client.run(loaded)) == 3
 
 
 def test_two_steps_run_each_stage_only_on_its_pool(cluster, tmp_path, tiny_overrides):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import signal
 import threading
 from dataclasses import dataclass
@@ -187,6 +188,23 @@ def install(client: Client, torch_threads: int | None, engine_options: dict, mod
                       deadlines=dataclasses.asdict(deadlines) if deadlines else None)
     if "error" in out:
         raise ClusterError(f"placement {mode!r}: {out['error']}")
+
+
+STAGE_MODULES = ("gyreflow.stages", "gyreflow.model.policy", "gyreflow.train.trainer", "gyreflow.engine.torch_engine")
+"""What the stages of a torch-engine run import on a worker (torch and transformers among them);
+an execution worker needs them too, for the checkpoints it writes."""
+
+
+async def _import_stage_modules() -> None:
+    # In a thread: the worker's event loop keeps answering heartbeats and the scheduler meanwhile.
+    await asyncio.to_thread(lambda: [importlib.import_module(m) for m in STAGE_MODULES])
+
+
+def warm_up(client: Client) -> None:
+    """Every worker imports what its stages need, all at once. Left to the first task, each pool
+    would import in turn (SFT on a trainer cell, then its weights on a rollout cell, then the first
+    executions), seconds of CPU each on a small machine."""
+    client.run(_import_stage_modules)
 
 
 def install_trainers(client: Client, torch_threads: int | None) -> None:

@@ -10,7 +10,7 @@ _EXPORTS = {
     "SPECIAL_TOKENS": "gyreflow.model.tokenizer",
     "build_tokenizer": "gyreflow.model.tokenizer",
     "load_tokenizer": "gyreflow.model.tokenizer",
-    "ModelConfig": "gyreflow.model.policy",
+    "ModelConfig": "gyreflow.model.config",
     "build_policy": "gyreflow.model.policy",
     "load_policy": "gyreflow.model.policy",
     "save_policy": "gyreflow.model.policy",

@@ -31,7 +31,7 @@ from distributed import Client, Future
 
 from gyreflow.agents.sources import TaskSource, task_source
 from gyreflow.cluster.control import Timing
-from gyreflow.cluster.local import check_pools, install
+from gyreflow.cluster.local import check_pools, install, warm_up
 from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.pools import TRAINER
 from gyreflow.cluster.status import describe
@@ -113,6 +113,7 @@ def run(client: Client, cfg: RunConfig, run_dir: Path, log=print, cache_dir: Pat
                 placement_options(cfg))
     install(client, cfg.cluster.torch_threads, engine_options(cfg), cfg.cluster.placement, placement_options(cfg),
             timing=Timing(stall_s=cfg.cluster.stall_s))
+    warm_up(client)
     archive = archive_location(cfg, run_dir)
     source = task_source(cfg)
 

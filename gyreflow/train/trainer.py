@@ -7,7 +7,6 @@ data, never a model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,28 +14,10 @@ import torch
 from gyreflow.algo.registry import LOSSES
 from gyreflow.model.policy import state_dict_numpy
 from gyreflow.train.attention import use_segment_attention
+from gyreflow.train.config import OptimConfig
 from gyreflow.train.packing import MicroBatch, PathSample, pack
 from gyreflow.train.pieces import backward_in_pieces, fits_whole
 from gyreflow.train.reduce import GradientShare
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Optimizer and batching of the trainer."""
-
-    lr: float = 1e-3
-    """AdamW learning rate of the RL updates."""
-    warmup_steps: int = 3
-    """RL updates over which the learning rate rises linearly to ``lr`` (0: none). A fresh Adam
-    moves every parameter by the full ``lr`` on its first update, which can wreck a warm-started
-    policy."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
-    micro_batch_tokens: int = 16384
-    """Padded tokens per forward/backward micro-batch (bounds activation memory); a path longer than
-    this trains in pieces of this many tokens, with the same gradient (:mod:`gyreflow.train.pieces`)."""
 
 
 MAX_HALVINGS = 10
