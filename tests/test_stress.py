@@ -296,3 +296,20 @@ def test_an_execution_gives_the_time_its_calls_spent_in_messages_back_out_of_its
         assert out["repaid_s"] == pytest.approx(tool_wall, rel=1e-9), out
     else:  # the held reply given back (3 s of wait); not the last call's messages, no wait follows them
         assert 0.5 <= out["repaid_s"] < out["messaging_s"], out
+
+
+def test_a_cell_whose_role_change_fails_twice_serves_again_after_its_failed_move(client):
+    """The move to training fails at the role change after the drain, and so does the first try to
+    put the cell back: it must still end in the rollout pool taking calls (drained and never told
+    its role again, it would keep its rollout resources and refuse every call)."""
+    publish_all(client)
+    status = client.sync(client.scheduler.gyreflow_pools)
+    addr = sorted(status["pools"][ROLLOUT])[0]
+    name = {a: n for n, a in cells(client).items()}[addr]
+    before = client.sync(client.scheduler.gyreflow_fault, cell=addr, point="set_role", times=2)["tripped"]
+    entry = client.sync(client.scheduler.gyreflow_move, cell=addr, to=TRAINER, reason="test")
+    after = client.sync(client.scheduler.gyreflow_fault, cell=addr, point="set_role", times=0)["tripped"]
+    assert after.get("set_role", 0) - before.get("set_role", 0) == 2, entry
+    assert "aborted" in entry or "error" in entry, entry
+    assert addr in client.sync(client.scheduler.gyreflow_pools)["pools"][ROLLOUT]
+    assert engine_stats(client)[name]["accepting"] is True

@@ -38,6 +38,9 @@ from gyreflow.engine.service import IMPORT_TIMEOUT_S, UNSEND_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
+RESTORE_TRIES = 3
+"""Role changes tried to put a cell back after a failed move."""
+
 
 class MoveFailed(RuntimeError):
     """A step of a move failed; the cell was put back in a role it can serve."""
@@ -252,11 +255,18 @@ class Mover:
         return {"handover_s": self.clock.from_wall(time.time() - t0)}
 
     async def _restore(self, addr: str, role: str) -> None:
-        """Put a cell whose move failed half-way back in ``role``."""
-        try:
-            await self.set_role(addr, role)
-        except Exception:  # it died: the scheduler's remove_worker cleans up
-            log.warning("gyreflow: cell %s could not serve as %s again after a failed move", addr, role, exc_info=True)
+        """Put a cell whose move failed half-way back in ``role``, trying up to
+        :data:`RESTORE_TRIES` times: a drained cell that was not told its role again keeps its
+        rollout resources but takes no call."""
+        for attempt in range(1, RESTORE_TRIES + 1):
+            try:
+                await self.set_role(addr, role)
+                break
+            except Exception:  # refused or unanswered; a cell that died is cleaned up by remove_worker
+                if attempt == RESTORE_TRIES or addr not in self.scheduler.workers:
+                    log.warning("gyreflow: cell %s could not serve as %s again after a failed move", addr, role,
+                                exc_info=True)
+                    break
         if role == TRAINER:
             schedule_unrunnable(self.scheduler, addr)
 
