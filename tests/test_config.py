@@ -1,6 +1,8 @@
 """Configuration: defaults, files, overrides and one-line errors that name the field."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +69,13 @@ def test_unsafe_off_policy_combinations_are_refused():
     assert load_config(None, ["rl.loss=reinforce", "rl.staleness=0"]).rl.loss == "reinforce"
     with pytest.raises(ConfigError, match="rl.clip_ratio_c must be > 1"):
         load_config(None, ["rl.clip_ratio_c=0.5"])
+
+
+def test_the_driver_side_loads_no_model_code():
+    """The run configuration and the recipes only name the stages: transformers (seconds of CPU to
+    import) stays out of the driver's process; the workers load it."""
+    code = ("import sys, gyreflow.cli, gyreflow.config, gyreflow.recipes.grpo, gyreflow.recipes.replay; "
+            "gyreflow.config.load_config(None, []); print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
