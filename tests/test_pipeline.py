@@ -1,14 +1,18 @@
 """The GRPO pipeline on a real local Dask cluster: worker processes with per-worker resources."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import zarr
 from distributed import Client
 
 from gyreflow.cli import find_pipeline
-from gyreflow.cluster.local import PoolSpec, check_pools, local_cluster, warm_up
+from gyreflow.cluster.local import PoolSpec, check_pools, local_cluster, warm_up, workers_info
 from gyreflow.config import load_config
 from gyreflow.storage import ArchiveReader
+from support import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +22,28 @@ def cluster():
 
 
 def test_workers_import_the_stage_libraries_before_the_first_task(cluster):
-    """Run first on the module's fresh cluster: nothing has imported the model code there yet."""
+    """Run first on the module's fresh cluster: nothing has imported the model code there yet. A
+    worker of the same cluster with no gyreflow resource (a shared cluster's) is left alone."""
     def loaded() -> tuple[bool, bool]:
         import sys
 
         return "torch" in sys.modules, "transformers.models.llama.modeling_llama" in sys.modules
 
+    foreign = subprocess.Popen([sys.executable, "-m", "dask", "worker", cluster.scheduler_address, "--name", "foreign",
+                                "--no-dashboard", "--no-nanny"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(cluster) as client:
+            client.wait_for_workers(4, timeout=120)
+            assert set(client.run(loaded).values()) == {(False, False)}
+            warm_up(client)
+            now = {info["name"]: client.run(loaded, workers=[addr])[addr] for addr, info in workers_info(client).items()}
+            assert now == {"cell-0": (True, True), "cell-1": (True, True), "execution-0": (True, True),
+                           "foreign": (False, False)}, now
+    finally:
+        foreign.terminate()
+        foreign.wait(timeout=60)
     with Client(cluster) as client:
-        assert set(client.run(loaded).values()) == {(False, False)}
-        warm_up(client)
-        assert set(client.run(loaded).values()) == {(True, True)} and len(client.run(loaded)) == 3
+        wait_for(lambda: len(workers_info(client)) == 3, timeout=60, what="the foreign worker gone")
 
 
 def test_two_steps_run_each_stage_only_on_its_pool(cluster, tmp_path, tiny_overrides):

@@ -201,10 +201,14 @@ async def _import_stage_modules() -> None:
 
 
 def warm_up(client: Client) -> None:
-    """Every worker imports what its stages need, all at once. Left to the first task, each pool
+    """Every gyreflow worker (one with a ``rollout``, ``trainer`` or ``execution`` resource, held
+    cells included) imports what its stages need, all at once. Left to the first task, each pool
     would import in turn (SFT on a trainer cell, then its weights on a rollout cell, then the first
-    executions), seconds of CPU each on a small machine."""
-    client.run(_import_stage_modules)
+    executions), seconds of CPU each on a small machine. Other workers of a shared cluster, which
+    may not have gyreflow installed, are left alone."""
+    ours = [a for a, w in workers_info(client).items() if {ROLLOUT, TRAINER, EXECUTION} & set(w.get("resources", {}))]
+    if ours:
+        client.run(_import_stage_modules, workers=ours)
 
 
 def install_trainers(client: Client, torch_threads: int | None) -> None:
