@@ -20,7 +20,7 @@ from gyreflow.cluster.modes import mode as placement_mode
 from gyreflow.cluster.moves import Deadlines
 from gyreflow.cluster.plugin import PoolsPlugin
 from gyreflow.cluster.routing import RoutingOptions
-from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER, workers_by_pool
+from gyreflow.cluster.pools import EXECUTION, ROLLOUT, TRAINER, is_cell, workers_by_pool
 from gyreflow.engine.service import PLUGIN_NAME as ENGINE_PLUGIN
 from gyreflow.engine.service import EngineService
 from gyreflow.train.service import TrainerService
@@ -195,9 +195,14 @@ STAGE_MODULES = ("gyreflow.stages", "gyreflow.model.policy", "gyreflow.train.tra
 an execution worker needs them too, for the checkpoints it writes."""
 
 
+def _import_now() -> None:
+    for name in STAGE_MODULES:
+        importlib.import_module(name)
+
+
 async def _import_stage_modules() -> None:
     # In a thread: the worker's event loop keeps answering heartbeats and the scheduler meanwhile.
-    await asyncio.to_thread(lambda: [importlib.import_module(m) for m in STAGE_MODULES])
+    await asyncio.to_thread(_import_now)
 
 
 def warm_up(client: Client) -> None:
@@ -206,7 +211,8 @@ def warm_up(client: Client) -> None:
     would import in turn (SFT on a trainer cell, then its weights on a rollout cell, then the first
     executions), seconds of CPU each on a small machine. Other workers of a shared cluster, which
     may not have gyreflow installed, are left alone."""
-    ours = [a for a, w in workers_info(client).items() if {ROLLOUT, TRAINER, EXECUTION} & set(w.get("resources", {}))]
+    ours = [a for a, w in workers_info(client).items()
+            if is_cell(w.get("resources", {})) or EXECUTION in w.get("resources", {})]
     if ours:
         client.run(_import_stage_modules, workers=ours)
 
